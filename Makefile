@@ -1,0 +1,62 @@
+# Training at Scale: `make book` builds the book, `make test` runs every test. Both set up .venv first.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROFILE ?= ci
+LAB ?=
+BUILD := _build
+# DeepSpeed compiles small ops at first use; keep its cache in the build folder so make reuses it.
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(BUILD)/torch_extensions
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: help venv labs lab book test serve lab-ui clean
+
+help:
+	@echo "make book              set up .venv, execute every lab (PROFILE=$(PROFILE)), build the HTML book"
+	@echo "make test              set up .venv, run the whole test suite"
+	@echo "make lab LAB=data_parallel PROFILE=cpu|ci|gpu   execute one lab into $(BUILD)/runs/"
+	@echo "make lab-ui            open the labs in JupyterLab"
+	@echo "make serve             serve the built book on http://127.0.0.1:8000"
+
+# Installs only when requirements.txt or pyproject.toml changed. torch goes first and DeepSpeed is
+# built without isolation against it (DS_BUILD_OPS=0: no CUDA ops compiled at install time).
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q pip==24.3.1 setuptools==84.2.1 wheel==0.48.0
+	$(PY) -m pip install -q $$(grep -E '^torch==' requirements.txt)
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation -r requirements.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit)" >/dev/null
+	@touch $@
+
+venv: $(STAMP)
+
+labs: $(STAMP)
+	$(PY) -m labkit run --profile $(PROFILE)
+
+lab: $(STAMP)
+	@test -n "$(LAB)" || { echo "usage: make lab LAB=<name> PROFILE=<cpu|ci|gpu>; labs: $$($(PY) -m labkit list)"; exit 2; }
+	$(PY) -m labkit run $(LAB) --profile $(PROFILE) --out $(BUILD)/runs/$(PROFILE) --force
+
+book: labs
+	$(VENV)/bin/jupyter-book build . --builder html -W --keep-going
+	@echo
+	@echo "The book is in $(BUILD)/html. Open $(CURDIR)/$(BUILD)/html/index.html in a browser,"
+	@echo "or run 'make serve' and visit http://127.0.0.1:8000 (search needs a served copy)."
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+serve:
+	$(PY) -m http.server 8000 --bind 127.0.0.1 --directory $(BUILD)/html
+
+lab-ui: $(STAMP)
+	$(VENV)/bin/jupyter lab labs/
+
+clean:
+	rm -rf $(BUILD) book/labs

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Run the labkit training loop on one node with torchrun.
+#   NPROC      processes (default: one per GPU, or 2 on a CPU-only machine)
+#   DEVICE     cuda | cpu (default: cuda when a GPU is visible)
+#   STRATEGY   single | ddp | dp_naive | dp_bucketed (default: ddp)
+#   STEPS, SEED, METRICS, and any extra flags of `python -m labkit.train` after the script name.
+set -euo pipefail
+PY=${PYTHON:-python}
+if [ -z "${DEVICE:-}" ]; then
+  DEVICE=$($PY -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
+fi
+if [ -z "${NPROC:-}" ]; then
+  NPROC=$([ "$DEVICE" = cuda ] && $PY -c "import torch; print(torch.cuda.device_count())" || echo 2)
+fi
+exec $PY -m torch.distributed.run --nproc-per-node "$NPROC" \
+  --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:0 \
+  -m labkit.train --device "$DEVICE" --strategy "${STRATEGY:-ddp}" \
+  --steps "${STEPS:-200}" --seed "${SEED:-0}" --metrics "${METRICS:-metrics.json}" "$@"

@@ -1,0 +1,6 @@
+"""``python -m labkit`` is the lab runner (see ``labkit.labs``)."""
+import sys
+
+from labkit.labs import main
+
+sys.exit(main())

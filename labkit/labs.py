@@ -1,0 +1,148 @@
+"""The lab runner: execute lab notebooks with papermill under a named profile.
+
+Labs live in ``labs/`` as MyST-markdown notebooks (jupytext) with a papermill ``parameters`` cell.
+A *profile* scales a lab to where it runs: ``cpu`` (the parameters cell's defaults: a 2-core laptop),
+``ci`` (smaller still, for the regression runs) and ``gpu`` (a real cluster-size run, one GPU per
+rank). ``python -m labkit run [LAB ...] --profile ci`` executes labs into ``book/labs/``, where the
+book picks them up; a lab re-runs only when its source, labkit or the profile changed.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LABS_DIR = ROOT / "labs"
+OUT_DIR = ROOT / "book" / "labs"
+
+# One entry per lab; "cpu" must equal the defaults a reader sees in the lab's parameters cell.
+PROFILES: dict[str, dict[str, dict]] = {
+    "data_parallel": {
+        "cpu": dict(device="cpu", world_size=2, steps=40, batch_size=16, lr=3e-3, seed=0,
+                    n_layer=2, n_head=2, n_embd=64, block_size=64, bucket_cap_mb=0.1,
+                    ring_world_sizes=[2, 3, 4], ring_numel=1 << 18, loss_tol=1e-5),
+        "ci": dict(device="cpu", world_size=2, steps=15, batch_size=8, lr=3e-3, seed=0,
+                   n_layer=2, n_head=2, n_embd=64, block_size=32, bucket_cap_mb=0.1,
+                   ring_world_sizes=[2, 3], ring_numel=1 << 16, loss_tol=1e-5),
+        # GPT-2 small (124 M parameters) at context 1024, one GPU per rank, every GPU of the node.
+        "gpu": dict(device="cuda", world_size="all", steps=200, batch_size="8 per rank", lr=6e-4,
+                    seed=0, n_layer=12, n_head=12, n_embd=768, block_size=1024, bucket_cap_mb=25.0,
+                    ring_world_sizes="2..world_size", ring_numel=1 << 26, loss_tol=1e-3),
+    },
+}
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve(lab: str, profile: str = "cpu", **overrides) -> dict:
+    """The parameters of ``lab`` under ``profile``, with ``overrides`` applied; clear errors otherwise."""
+    if lab not in PROFILES:
+        raise ValueError(f"lab={lab!r} has no profiles; labs with profiles: {sorted(PROFILES)}")
+    if profile not in PROFILES[lab]:
+        raise ValueError(f"PROFILE={profile!r} is unknown for lab {lab!r}; valid profiles: {list(PROFILES[lab])}")
+    p = dict(PROFILES[lab][profile])
+    unknown = set(overrides) - set(p)
+    if unknown:
+        raise ValueError(f"OVERRIDES has unknown keys {sorted(unknown)}; valid keys: {sorted(p)}")
+    if p["world_size"] == "all":
+        n = _gpu_count()
+        if n == 0:
+            raise ValueError(f"PROFILE={profile!r} needs CUDA GPUs and found none; use PROFILE='cpu' or 'ci'")
+        p["world_size"] = n
+    if p.get("batch_size") == "8 per rank":
+        p["batch_size"] = 8 * p["world_size"]
+    if p.get("ring_world_sizes") == "2..world_size":
+        p["ring_world_sizes"] = sorted({2, *range(4, p["world_size"] + 1, 4), p["world_size"]} - {1})
+    p.update(overrides)
+    return p
+
+
+def list_labs(labs_dir: Path = LABS_DIR) -> list[str]:
+    return sorted(p.stem for p in labs_dir.glob("*.md"))
+
+
+def _fingerprint(lab_path: Path, profile: str) -> str:
+    h = hashlib.sha256(profile.encode())
+    for f in [lab_path, *sorted((ROOT / "labkit").rglob("*.py")), ROOT / "requirements.txt"]:
+        if f.exists():
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _kernel_name() -> str:
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    return "labkit" if "labkit" in KernelSpecManager().find_kernel_specs() else "python3"
+
+
+def run_lab(name: str, profile: str, out_dir: Path = OUT_DIR, force: bool = False,
+            labs_dir: Path = LABS_DIR) -> Path:
+    """Execute one lab; return the path of its metrics JSON. Skips the run when nothing changed."""
+    import jupytext
+    import papermill as pm
+
+    src = labs_dir / f"{name}.md"
+    if not src.is_file():
+        raise ValueError(f"LAB={name!r} does not exist; valid labs: {list_labs(labs_dir)}")
+    resolve(name, profile)  # fail fast on a bad profile, before a kernel starts
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_nb, metrics = out_dir / f"{name}.ipynb", out_dir / f"{name}.metrics.json"
+    stamp = out_dir / f".{name}.fingerprint"
+    key = _fingerprint(src, profile)
+    if not force and out_nb.exists() and metrics.exists() and stamp.exists() and stamp.read_text() == key:
+        print(f"[labs] {name}: up to date ({profile}), not re-run")
+        return metrics
+    stamp.unlink(missing_ok=True)
+    metrics.unlink(missing_ok=True)
+    print(f"[labs] {name}: executing with PROFILE={profile!r} ...", flush=True)
+    t0 = time.perf_counter()
+    try:
+        pm.execute_notebook(
+            jupytext.read(src), str(out_nb), kernel_name=_kernel_name(), cwd=str(out_dir),
+            parameters={"PROFILE": profile, "METRICS_PATH": metrics.name},
+            progress_bar=sys.stdout.isatty(), log_output=False, request_save_on_cell_execute=False,
+        )
+    except pm.PapermillExecutionError as e:
+        raise RuntimeError(
+            f"lab {name!r} failed in cell {e.exec_count} ({e.ename}: {e.evalue}); "
+            f"the partly executed notebook is at {out_nb}"
+        ) from None
+    if not metrics.exists():
+        raise RuntimeError(f"lab {name!r} ran but wrote no metrics file {metrics}")
+    stamp.write_text(key)
+    print(f"[labs] {name}: done in {time.perf_counter() - t0:.0f} s -> {out_nb}")
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m labkit", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="execute labs with papermill")
+    r.add_argument("labs", nargs="*", help="lab names (default: all)")
+    r.add_argument("--profile", default="ci", help="cpu, ci or gpu")
+    r.add_argument("--out", type=Path, default=OUT_DIR)
+    r.add_argument("--force", action="store_true", help="re-run even when nothing changed")
+    sub.add_parser("list", help="list the labs")
+    sub.add_parser("profiles", help="print every lab's profiles")
+    args = ap.parse_args(argv)
+    if args.cmd == "list":
+        print(" ".join(list_labs()))
+        return 0
+    if args.cmd == "profiles":
+        print(json.dumps(PROFILES, indent=1))
+        return 0
+    try:
+        for name in args.labs or list_labs():
+            run_lab(name, args.profile, args.out, args.force)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0

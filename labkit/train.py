@@ -1,0 +1,178 @@
+"""The one training loop every strategy uses, and its command line for torchrun and clusters.
+
+From a notebook: ``labkit.launch.launch(train, TrainConfig(strategy="ddp"), world_size=2)``.
+From a shell, the same loop::
+
+    python -m labkit.train --strategy single --steps 20 --metrics out.json
+    torchrun --nproc-per-node 2 -m labkit.train --strategy ddp --steps 20 --seed 0 --metrics out.json
+
+The metrics JSON holds the global-batch loss per step, step times, and per-rank figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from labkit.comm import CommCounter
+from labkit.data import check_shard, get_batch, load_corpus, train_val_split
+from labkit.launch import check_device, init_from_env
+from labkit.model import GPTConfig, build_model
+from labkit.strategies import STRATEGIES, check_strategy, wrap
+
+
+@dataclass
+class TrainConfig:
+    strategy: str = "single"
+    steps: int = 20
+    batch_size: int = 8  # global batch: rows per step summed over all ranks
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    seed: int = 0
+    device: str = "cpu"
+    bucket_cap_mb: float = 25.0
+    progress: bool | None = None  # None: a bar when attached to a terminal and steps >= 50
+    return_params: bool = False
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy={self.strategy!r} is unknown; valid strategies: {list(STRATEGIES)}")
+        for name in ("steps", "batch_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip!r}")
+        check_device(self.device, 1)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | None = None) -> dict:
+    """Train on this process's rank (or alone); return losses, timings and per-rank figures."""
+    model_cfg = model_cfg or GPTConfig()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    check_strategy(cfg.strategy, world)
+    check_shard(cfg.batch_size, world)
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+    data = train_val_split(load_corpus(corpus)).train
+
+    model = build_model(model_cfg, seed=cfg.seed).to(device)
+    model, finish_backward = wrap(model, cfg.strategy, device, cfg.bucket_cap_mb)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+
+    show = cfg.progress if cfg.progress is not None else (sys.stderr.isatty() and cfg.steps >= 50)
+    bar = tqdm(total=cfg.steps, desc=f"{cfg.strategy} x{world}", disable=not show or rank != 0,
+               mininterval=1.0)
+    losses, times, comm_bytes, comm_calls = [], [], [], []
+    for step in range(cfg.steps):
+        x, y = (t.to(device) for t in get_batch(data, step, cfg.batch_size, model_cfg.block_size,
+                                                  cfg.seed, rank, world))
+        _sync(device)
+        t0 = time.perf_counter()
+        with CommCounter() as counter:
+            _, loss = model(x, y)
+            loss.backward()
+            finish_backward()
+            if cfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        comm_bytes.append(counter.bytes.get("allreduce", 0))
+        comm_calls.append(counter.calls.get("allreduce", 0))
+        # Every rank computed the mean loss of its own shard; their mean is the global-batch loss.
+        loss = loss.detach()
+        if world > 1:
+            dist.all_reduce(loss)
+            loss /= world
+        losses.append(loss.item())
+        bar.update()
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+    bar.close()
+
+    mine = {"rank": rank, "step_time_s": times, "allreduce_bytes_per_step": comm_bytes,
+            "allreduce_calls_per_step": comm_calls}
+    ranks = [None] * world
+    if world > 1:
+        dist.all_gather_object(ranks, mine)
+    else:
+        ranks = [mine]
+    inner = getattr(model, "module", model)
+    result = {
+        "strategy": cfg.strategy, "world_size": world, "device": cfg.device, "steps": cfg.steps,
+        "seed": cfg.seed, "batch_size": cfg.batch_size, "model": model_cfg.to_dict(),
+        "n_params": inner.num_params(),
+        "grad_bytes": sum(p.numel() * p.element_size() for p in params),
+        "loss": losses, "step_time_s": times, "ranks": ranks,
+    }
+    if cfg.return_params:
+        result["params"] = {k: v.detach().cpu().clone() for k, v in inner.state_dict().items()}
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m labkit.train",
+        description="Train the lab GPT with a parallel strategy; run under torchrun for several ranks.",
+    )
+    for f in fields(TrainConfig):
+        if f.name in ("progress", "return_params"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "strategy":
+            p.add_argument(flag, default=f.default, choices=STRATEGIES)
+        elif f.name == "device":
+            p.add_argument(flag, default=f.default, choices=("cpu", "cuda"))
+        else:
+            p.add_argument(flag, type=type(f.default), default=f.default)
+    for f in fields(GPTConfig):
+        kind = ({"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool)
+                else {"type": type(f.default)})
+        p.add_argument("--" + f.name.replace("_", "-"), default=f.default, **kind,
+                       help=f"model: GPTConfig.{f.name}")
+    p.add_argument("--corpus", default=None, help="text file to train on (default: shipped Shakespeare)")
+    p.add_argument("--metrics", default=None, help="write the metrics JSON here (rank 0)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    tc = TrainConfig(**{f.name: args[f.name] for f in fields(TrainConfig) if f.name in args})
+    mc = GPTConfig(**{f.name: args[f.name] for f in fields(GPTConfig)})
+    rank, world, _ = init_from_env(tc.device)
+    try:
+        result = train(tc, mc, corpus=args["corpus"])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if rank == 0:
+        print(f"{tc.strategy} on {world} rank(s): loss {result['loss'][0]:.4f} -> {result['loss'][-1]:.4f} "
+              f"in {sum(result['step_time_s']):.2f} s")
+        if args["metrics"]:
+            out = Path(args["metrics"])
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"config": asdict(tc), **result}, indent=1))
+            print(f"metrics written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

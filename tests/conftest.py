@@ -1,0 +1,16 @@
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import rank_fns from here too
+
+
+@pytest.fixture(scope="session")
+def lab_metrics() -> dict:
+    """Execute every lab through papermill with the CI profile (skipped when nothing changed)."""
+    from labkit.labs import OUT_DIR, list_labs, run_lab
+
+    return {name: json.loads(run_lab(name, "ci", OUT_DIR).read_text()) for name in list_labs()}

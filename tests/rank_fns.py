@@ -1,0 +1,80 @@
+"""Functions the launch tests run on every rank (spawned ranks import them from this module)."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from labkit.data_parallel import BucketedDataParallel, NaiveDataParallel
+from labkit.train import TrainConfig, train
+
+
+def rank_info(tag: str) -> dict:
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    return {"tag": tag, "rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item(),
+            "pid": os.getpid()}
+
+
+def fail_on(bad_rank: int) -> int:
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"deliberate failure on rank {bad_rank}")
+    dist.barrier()  # the healthy ranks block here, as they would in a real collective
+    return dist.get_rank()
+
+
+def die_on(bad_rank: int) -> int:
+    if dist.get_rank() == bad_rank:
+        os._exit(3)  # no Python exception at all: a crash as the OS sees it
+    time.sleep(1)
+    return dist.get_rank()
+
+
+def sleep_forever() -> None:
+    time.sleep(3600)
+
+
+def train_strategies(strategies: list[str], cfg: TrainConfig, model_cfg) -> dict:
+    from dataclasses import replace
+
+    return {s: train(replace(cfg, strategy=s), model_cfg) for s in strategies}
+
+
+class Toy(nn.Module):
+    """Tied embedding/head and a frozen layer: the cases that break naive data parallels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(11, 8)
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(self.frozen(self.emb(x)))))
+
+
+def toy_grads(wrapper: str, bucket_cap_mb: float = 1e-4) -> dict:
+    model = Toy()
+    if wrapper == "ddp":
+        wrapped, finish = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb), (lambda: None)
+    else:
+        wrapped = (NaiveDataParallel(model) if wrapper == "naive"
+                   else BucketedDataParallel(model, bucket_cap_mb=bucket_cap_mb))
+        finish = wrapped.finish_gradient_sync
+    out = []
+    for step in range(2):
+        g = torch.Generator().manual_seed(100 * step + dist.get_rank())  # different data per rank
+        x = torch.randint(0, 11, (4, 5), generator=g)
+        wrapped(x).logsumexp(-1).mean().backward()
+        finish()
+        out.append({n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()})
+        model.zero_grad(set_to_none=True)
+    return {"grads": out, "n_buckets": len(getattr(wrapped, "buckets", []))}

@@ -1,0 +1,107 @@
+"""The book builds with warnings as errors, and a real browser reads it offline."""
+import functools
+import http.server
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+HTML = ROOT / "_build" / "html"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+PAGES = ["book/data_parallel.html", "book/labs/data_parallel.html", "book/intro.html"]
+
+
+@pytest.fixture(scope="module")
+def built_book(lab_metrics):
+    jb = Path(os.sys.executable).parent / "jupyter-book"
+    proc = subprocess.run([str(jb), "build", str(ROOT), "--builder", "html", "-W", "--keep-going"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    return HTML
+
+
+def test_book_builds_with_warnings_as_errors(built_book):
+    for page in PAGES:
+        assert (built_book / page).is_file(), page
+    chapter = (built_book / "book/data_parallel.html").read_text()
+    assert (built_book / "_static/mathjax/tex-mml-chtml.js").is_file()
+    assert "cdn.jsdelivr.net" not in chapter  # MathJax is served from the book itself
+
+
+@pytest.fixture(scope="module")
+def server(built_book):
+    handler = functools.partial(_QuietHandler, directory=str(built_book))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists():
+        pytest.fail("chromium is not installed: .ci/run installs Debian's `chromium`; "
+                    "on another machine install it with your package manager")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run"])
+        yield b
+        b.close()
+
+
+def _open(browser, url):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("requestfailed", lambda r: errors.append(f"request failed: {r.url}"))
+    page.goto(url, wait_until="networkidle")
+    return page, errors
+
+
+@pytest.mark.parametrize("path", PAGES[:2])
+def test_figures_load_math_renders_and_no_console_errors(browser, server, path):
+    page, errors = _open(browser, f"{server}/{path}")
+    images = page.eval_on_selector_all(
+        "article img", "imgs => imgs.map(i => [i.getAttribute('src'), i.complete && i.naturalWidth > 0])")
+    assert len(images) >= 3, images
+    assert all(ok for _, ok in images), [src for src, ok in images if not ok]
+    page.wait_for_selector("mjx-container", timeout=20_000)
+    assert page.locator("mjx-container").count() >= 1
+    assert not page.locator("text=No key").count()
+    shots = ROOT / "_build" / "screenshots"
+    shots.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(shots / (path.replace("/", "_") + ".png")), full_page=True)
+    assert not errors, errors  # the book is offline: any failed request or script error is ours
+    page.close()
+
+
+def test_chapter_shows_measured_numbers(browser, server, lab_metrics):
+    page, _ = _open(browser, f"{server}/book/data_parallel.html")
+    text = page.inner_text("article")
+    m = lab_metrics["data_parallel"]
+    assert f"{m['grad_bytes']:,}" in text
+    assert f"{m['max_loss_diff']:.1e}" in text
+    assert f"{m['n_params']:,}" in text
+    page.close()
+
+
+def test_search_finds_the_lab(browser, server):
+    page, errors = _open(browser, f"{server}/search.html?q=ring")
+    page.wait_for_selector("#search-results li a", timeout=20_000)
+    hrefs = page.eval_on_selector_all("#search-results li a", "as => as.map(a => a.getAttribute('href'))")
+    assert any("labs/data_parallel" in h for h in hrefs), hrefs
+    page.close()

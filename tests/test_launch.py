@@ -1,0 +1,77 @@
+import os
+import time
+
+import psutil
+import pytest
+import torch
+
+import rank_fns
+from labkit.launch import RankError, check_device, launch
+
+
+def _spawned_children() -> list[psutil.Process]:
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "spawn_main" in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_results_come_back_indexed_by_rank():
+    res = launch(rank_fns.rank_info, "hello", world_size=3)
+    assert [r["rank"] for r in res] == [0, 1, 2]
+    assert all(r["world"] == 3 and r["sum"] == 6.0 and r["tag"] == "hello" for r in res)
+    assert len({r["pid"] for r in res}) == 3 and os.getpid() not in {r["pid"] for r in res}
+    assert not _spawned_children()
+
+
+def test_a_rank_that_raises_surfaces_its_traceback_and_nothing_is_left_behind():
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(rank_fns.fail_on, 1, world_size=2, timeout=120)
+    assert time.monotonic() - t0 < 60, "a failing rank must not make the caller wait for the timeout"
+    err = info.value
+    assert 1 in err.failures
+    assert "ValueError: deliberate failure on rank 1" in err.failures[1]
+    assert "rank_fns.py" in err.failures[1]  # the rank's own traceback, with its file and line
+    assert "--- rank 1 ---" in str(err)
+    assert not _spawned_children()
+
+
+def test_a_rank_that_dies_without_an_exception_is_reported():
+    with pytest.raises(RankError, match=r"rank 0 died with exit code 3"):
+        launch(rank_fns.die_on, 0, world_size=2, timeout=120)
+    assert not _spawned_children()
+
+
+def test_a_hanging_run_times_out_and_is_killed():
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match=r"did not finish within the time allowed \(timeout=8"):
+        launch(rank_fns.sleep_forever, world_size=2, timeout=8)
+    assert time.monotonic() - t0 < 30
+    assert not _spawned_children()
+
+
+def test_functions_defined_in_an_interactive_session_get_a_clear_error(monkeypatch):
+    import sys
+
+    def f():
+        return 1
+
+    f.__module__ = "__main__"
+    monkeypatch.delattr(sys.modules["__main__"], "__file__", raising=False)
+    with pytest.raises(TypeError, match="defined in an interactive session"):
+        launch(f, world_size=2)
+
+
+def test_bad_device_and_world_size_are_named():
+    with pytest.raises(ValueError, match=r"device='tpu' is not supported; valid devices: \['cpu', 'cuda'\]"):
+        check_device("tpu")
+    with pytest.raises(ValueError, match="world_size must be a positive integer"):
+        launch(rank_fns.rank_info, "x", world_size=0)
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match=rf"needs {n + 1} GPUs, found {n}"):
+        launch(rank_fns.rank_info, "x", world_size=n + 1, device="cuda")
