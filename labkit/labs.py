@@ -33,7 +33,23 @@ PROFILES: dict[str, dict[str, dict]] = {
                     seed=0, n_layer=12, n_head=12, n_embd=768, block_size=1024, bucket_cap_mb=25.0,
                     ring_world_sizes="2..world_size", ring_numel=1 << 26, loss_tol=1e-3),
     },
+    "memory": {
+        "cpu": dict(device="cpu", sizes=[[2, 64, 2], [4, 128, 4], [6, 192, 6]], block_size=128,
+                    micro_batch=8, mp_steps=60, mp_batch_size=16, mp_lr=1e-3, fake_7b_ranks=8, seed=0),
+        "ci": dict(device="cpu", sizes=[[2, 64, 2], [2, 128, 4], [3, 192, 6]], block_size=64,
+                   micro_batch=4, mp_steps=30, mp_batch_size=8, mp_lr=1e-3, fake_7b_ranks=8, seed=0),
+        # GPT-2 small to large at context 1024 on one GPU, with the CUDA allocator's peak too.
+        "gpu": dict(device="cuda", sizes=[[12, 768, 12], [24, 1024, 16], [36, 1280, 20]], block_size=1024,
+                    micro_batch=8, mp_steps=300, mp_batch_size=16, mp_lr=3e-4, fake_7b_ranks=8, seed=0),
+    },
+    "strategy_cost": {
+        "cpu": dict(tokens=1e12, target_days=30, mfu=0.4, run_cost=18000.0, run_hours=24.0, hours_in=14.0,
+                    preemptions_per_instance_per_day=[0.05, 0.15], instances=100,
+                    checkpoint_minutes=[10, 30, 60]),
+    },
 }
+# Pure arithmetic: no profile changes what it computes, but every lab answers to the same names.
+PROFILES["strategy_cost"]["ci"] = PROFILES["strategy_cost"]["gpu"] = PROFILES["strategy_cost"]["cpu"]
 
 
 def _gpu_count() -> int:
@@ -52,7 +68,7 @@ def resolve(lab: str, profile: str = "cpu", **overrides) -> dict:
     unknown = set(overrides) - set(p)
     if unknown:
         raise ValueError(f"OVERRIDES has unknown keys {sorted(unknown)}; valid keys: {sorted(p)}")
-    if p["world_size"] == "all":
+    if p.get("world_size") == "all":
         n = _gpu_count()
         if n == 0:
             raise ValueError(f"PROFILE={profile!r} needs CUDA GPUs and found none; use PROFILE='cpu' or 'ci'")

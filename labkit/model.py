@@ -120,6 +120,14 @@ class GPT(nn.Module):
         """Trainable parameters, the tied embedding counted once."""
         return sum(p.numel() for p in self.parameters())
 
+    @staticmethod
+    def count_params(cfg: GPTConfig) -> int:
+        """The same count from the config alone, without building the model."""
+        C, b = cfg.n_embd, int(cfg.bias)
+        ln = C * (1 + b)
+        block = 2 * ln + (3 * C * C + 3 * C * b) + (C * C + C * b) + (4 * C * C + 4 * C * b) + (4 * C * C + C * b)
+        return cfg.vocab_size * C + cfg.block_size * C + cfg.n_layer * block + ln
+
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:

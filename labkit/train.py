@@ -29,6 +29,9 @@ from labkit.model import GPTConfig, build_model
 from labkit.strategies import STRATEGIES, check_strategy, wrap
 
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
 @dataclass
 class TrainConfig:
     strategy: str = "single"
@@ -39,6 +42,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     seed: int = 0
     device: str = "cpu"
+    precision: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (autocast + loss scaling, CUDA only)
     bucket_cap_mb: float = 25.0
     progress: bool | None = None  # None: a bar when attached to a terminal and steps >= 50
     return_params: bool = False
@@ -55,6 +59,11 @@ class TrainConfig:
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip!r}")
         check_device(self.device, 1)
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} is unknown; valid precisions: {list(PRECISIONS)}")
+        if self.precision == "fp16" and self.device != "cuda":
+            raise ValueError("precision='fp16' needs device='cuda' (fp16 loss scaling with GradScaler); "
+                             "on CPU use precision='bf16'")
 
 
 def _sync(device: torch.device) -> None:
@@ -76,6 +85,12 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
 
+    # Mixed precision (Micikevicius et al. 2018): matmuls in 16 bits under autocast, weights and
+    # optimizer in fp32. fp16's narrow range needs the loss scaled so small gradients survive;
+    # bf16 has fp32's exponent range and does not.
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+    scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
+
     show = cfg.progress if cfg.progress is not None else (sys.stderr.isatty() and cfg.steps >= 50)
     bar = tqdm(total=cfg.steps, desc=f"{cfg.strategy} x{world}", disable=not show or rank != 0,
                mininterval=1.0)
@@ -86,12 +101,19 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
         _sync(device)
         t0 = time.perf_counter()
         with CommCounter() as counter:
-            _, loss = model(x, y)
-            loss.backward()
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                _, loss = model(x, y)
+            (scaler.scale(loss) if scaler else loss).backward()
             finish_backward()
+            if scaler:
+                scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
             if cfg.grad_clip:
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
             opt.zero_grad(set_to_none=True)
         _sync(device)
         times.append(time.perf_counter() - t0)
@@ -117,6 +139,7 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     inner = getattr(model, "module", model)
     result = {
         "strategy": cfg.strategy, "world_size": world, "device": cfg.device, "steps": cfg.steps,
+        "precision": cfg.precision,
         "seed": cfg.seed, "batch_size": cfg.batch_size, "model": model_cfg.to_dict(),
         "n_params": inner.num_params(),
         "grad_bytes": sum(p.numel() * p.element_size() for p in params),
@@ -140,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(flag, default=f.default, choices=STRATEGIES)
         elif f.name == "device":
             p.add_argument(flag, default=f.default, choices=("cpu", "cuda"))
+        elif f.name == "precision":
+            p.add_argument(flag, default=f.default, choices=PRECISIONS)
         else:
             p.add_argument(flag, type=type(f.default), default=f.default)
     for f in fields(GPTConfig):

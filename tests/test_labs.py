@@ -40,12 +40,51 @@ def test_data_parallel_lab_metrics(lab_metrics):
     assert all(v > 0 for v in m["median_step_ms"].values())
 
 
+def test_memory_lab_metrics(lab_metrics):
+    m = lab_metrics["memory"]
+    assert m["profile"] == "ci"
+    assert m["state_max_rel_err"] < 0.01  # model states within 1%
+    assert m["act_max_rel_err"] < 0.01  # activations: LayerNorm statistics only
+    for r in m["model_states"]:
+        assert r["parts_measured"][:2] == r["parts_predicted"][:2]  # params and grads exact
+        assert abs(r["measured"] / r["n_params"] - {"fp32": 16, "bf16": 8}[r["precision"]]) < 0.01
+    for r in m["activations"]:
+        assert r["measured_bf16"] == r["predicted_bf16"]
+    fake = m["fake_7b"]
+    assert fake["n_params"] > 6.5e9
+    assert abs((fake["params"] + fake["grads"] + fake["optimizer"]) / fake["predicted_states"] - 1) < 0.01
+    assert abs(fake["activations"] / fake["predicted_activations"] - 1) < 0.01
+    assert [round(float(v), 1) for v in m["zero_7_5b_64_gb"].values()] == [120.0, 31.4, 16.6, 1.9]
+    assert all(not e["fits"] for e in m["llama2_70b_8xa100"].values())
+    mp = m["mixed_precision"]
+    assert set(mp) >= {"fp32", "bf16"} and len(mp["bf16"]["loss"]) == m["params"]["mp_steps"]
+    assert m["mp_late_loss_diff"]["bf16"] < 0.1  # bf16 trains like fp32
+    assert mp["fp32"]["loss"][-1] < mp["fp32"]["loss"][0] - 1.0
+
+
+def test_strategy_cost_lab_metrics(lab_metrics):
+    m = lab_metrics["strategy_cost"]
+    verdicts = {(r["model"], r["devices"]): r["verdict"] for r in m["rule_table"]}
+    assert verdicts[("gpt2-124m", "8 x a100-80gb")] == "agree"
+    assert verdicts[("gpt3-1.3b", "8 x a100-80gb")] == "rule runs out of memory"
+    assert verdicts[("llama2-7b", "64 x a100-80gb")] == "rule over-shards"
+    prices = {(r["device"], r["strategy"]): r for r in m["price_table"]}
+    assert prices[("a100-80gb", "DDP")]["min devices (memory)"] == "never fits"
+    z3 = prices[("h100-80gb", "ZeRO-3: FSDP FULL_SHARD or DeepSpeed ZeRO-3")]
+    assert z3["days"] <= m["params"]["target_days"]
+    assert m["flops_10b_1t"] == 6e22
+    lost = {r["checkpoint every"]: r["$ lost (worst)"] for r in m["preemption_table"]}
+    assert lost["never"] > 10 * lost["30 min"]
+    assert m["wall_opt_h"] < 1.5 * m["params"]["run_hours"] < m["wall_none_h"]
+
+
 def test_executed_labs_have_figures_and_no_errors(lab_metrics):
     for name in lab_metrics:
         nb = json.loads((OUT_DIR / f"{name}.ipynb").read_text())
         outputs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]
         assert not [o for o in outputs if o["output_type"] == "error"]
-        assert sum("image/png" in o.get("data", {}) for o in outputs) >= 3, name
+        figures = sum("image/png" in o.get("data", {}) for o in outputs)
+        assert figures >= {"strategy_cost": 1}.get(name, 3), name
 
 
 def test_unknown_profile_lab_and_override_are_named(tmp_path):

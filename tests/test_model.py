@@ -15,6 +15,8 @@ def test_default_config_is_the_small_cpu_model():
     C, V, T = cfg.n_embd, cfg.vocab_size, cfg.block_size
     block = 2 * 2 * C + (3 * C * C + 3 * C) + (C * C + C) + (4 * C * C + 4 * C) + (4 * C * C + C)
     assert model.num_params() == V * C + T * C + cfg.n_layer * block + 2 * C
+    for other in (GPTConfig(n_layer=3, n_embd=96, n_head=4, bias=False), GPTConfig(block_size=128)):
+        assert GPT(other).num_params() == GPT.count_params(other)
 
 
 def test_head_is_tied_to_token_embedding():

@@ -1,0 +1,148 @@
+"""What a run costs: compute, time, money, and what preemptions do to all three.
+
+* Training compute is about 6ND FLOPs for N parameters and D tokens: 2ND for the forward pass and
+  4ND for the backward (Kaplan et al. 2020, section 2.1; Hoffmann et al. 2022). Full activation
+  recomputation adds one forward pass, 8ND (Korthikanti et al. 2022, section 5).
+* Time is compute over delivered throughput: devices x peak FLOP/s x model FLOPs utilisation
+  (MFU, Chowdhery et al. 2022, appendix B), which the user supplies.
+* Preemptions arrive as a Poisson process. With checkpoints every tau hours that take C hours to
+  write, a restart that takes R hours and a mean time between failures M, the expected wall time
+  of W hours of work is (W/tau) (M + R) (exp((tau + C)/M) - 1) (Daly 2006, eq. 9 with segments
+  of tau + C); without checkpoints it is (M + R)(exp(W/M) - 1). The interval that minimises it is
+  close to Young's sqrt(2 C M) (Young 1974; Daly 2006).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+HOURS_PER_DAY = 24.0
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory_gb: float
+    peak_bf16_tflops: float  # dense, no sparsity
+    price_on_demand: float  # USD per device-hour: an assumption, override it
+    price_spot: float
+    source: str
+
+
+# Peak figures are the vendors' datasheet numbers (dense BF16 tensor core). Prices are
+# assumptions typical of public cloud list prices per GPU-hour in 2024-2025; pass your own.
+DEVICES = {
+    "a100-80gb": Device("NVIDIA A100 80GB SXM", 80, 312, 4.10, 1.60,
+                        "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16"),
+    "h100-80gb": Device("NVIDIA H100 80GB SXM", 80, 989, 6.90, 2.80,
+                        "NVIDIA H100 datasheet: 989 TFLOP/s dense BF16"),
+}
+
+
+def _positive(name: str, v: float) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v):
+        raise ValueError(f"{name} must be a positive number, got {v!r}")
+    return float(v)
+
+
+def device(name: str) -> Device:
+    if name not in DEVICES:
+        raise ValueError(f"device={name!r} is unknown; valid devices: {sorted(DEVICES)}")
+    return DEVICES[name]
+
+
+def training_flops(n_params: float, tokens: float, recompute: str = "none") -> float:
+    """6ND, or 8ND when every layer's forward is recomputed in backward."""
+    n, d = _positive("n_params", n_params), _positive("tokens", tokens)
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r} is unknown; valid modes: ['none', 'selective', 'full']")
+    # Selective recomputation redoes only the attention-score ops, a few percent at most.
+    return (8.0 if recompute == "full" else 6.0) * n * d
+
+
+def training_hours(flops: float, n_devices: int, peak_tflops: float, mfu: float) -> float:
+    """Wall-clock hours at a sustained ``mfu`` fraction of the devices' peak."""
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu must be in (0, 1], got {mfu!r}")
+    n = _positive("n_devices", n_devices)
+    return _positive("flops", flops) / (n * _positive("peak_tflops", peak_tflops) * 1e12 * mfu) / 3600.0
+
+
+def cluster_mtbf_hours(n_instances: int, preemptions_per_instance_per_day: float) -> float:
+    """Mean hours between preemptions anywhere in a job of ``n_instances`` (any one stops it)."""
+    rate = _positive("n_instances", n_instances) * _positive(
+        "preemptions_per_instance_per_day", preemptions_per_instance_per_day) / HOURS_PER_DAY
+    return 1.0 / rate
+
+
+def young_daly_interval_hours(checkpoint_hours: float, mtbf_hours: float) -> float:
+    """Young's optimal checkpoint interval, sqrt(2 C M)."""
+    return math.sqrt(2 * _positive("checkpoint_hours", checkpoint_hours) * _positive("mtbf_hours", mtbf_hours))
+
+
+def expected_wall_hours(work_hours: float, mtbf_hours: float, interval_hours: float | None = None,
+                        checkpoint_hours: float = 0.0, restart_hours: float = 0.0) -> float:
+    """Expected wall time to finish ``work_hours`` of computation under Poisson preemptions.
+
+    ``interval_hours=None`` means no checkpoints: every preemption restarts from step 0.
+    """
+    w, m = _positive("work_hours", work_hours), _positive("mtbf_hours", mtbf_hours)
+    if checkpoint_hours < 0 or restart_hours < 0:
+        raise ValueError("checkpoint_hours and restart_hours must be >= 0")
+    if interval_hours is None:
+        return (m + restart_hours) * math.expm1(w / m)
+    tau = min(_positive("interval_hours", interval_hours), w)
+    return (w / tau) * (m + restart_hours) * math.expm1((tau + checkpoint_hours) / m)
+
+
+@dataclass(frozen=True)
+class RunCost:
+    devices: int
+    device: str
+    flops: float
+    hours: float
+    gpu_hours: float
+    cost_on_demand: float
+    cost_spot: float  # including the expected rework and checkpoints under preemptions
+    spot_hours: float
+    checkpoint_interval_hours: float
+    mtbf_hours: float
+
+
+def price_run(n_params: float, tokens: float, n_devices: int, device_name: str, mfu: float = 0.4,
+              recompute: str = "none", devices_per_instance: int = 8,
+              preemptions_per_instance_per_day: float = 0.1, checkpoint_minutes: float = 5.0,
+              restart_minutes: float = 10.0) -> RunCost:
+    """Compute, time and money of a run, on demand and on spot with Young-interval checkpoints."""
+    dev = device(device_name)
+    flops = training_flops(n_params, tokens, recompute)
+    hours = training_hours(flops, n_devices, dev.peak_bf16_tflops, mfu)
+    instances = math.ceil(n_devices / _positive("devices_per_instance", devices_per_instance))
+    mtbf = cluster_mtbf_hours(instances, preemptions_per_instance_per_day)
+    c, r = checkpoint_minutes / 60.0, restart_minutes / 60.0
+    tau = young_daly_interval_hours(c, mtbf) if c > 0 else hours
+    spot_hours = expected_wall_hours(hours, mtbf, tau, c, r)
+    return RunCost(n_devices, device_name, flops, hours, hours * n_devices,
+                   hours * n_devices * dev.price_on_demand, spot_hours * n_devices * dev.price_spot,
+                   spot_hours, tau, mtbf)
+
+
+def preemption_loss(run_cost: float, run_hours: float, hours_in: float,
+                    checkpoint_every_minutes: float | None, restart_minutes: float = 10.0) -> dict:
+    """What one preemption ``hours_in`` a run costs, with and without periodic checkpoints.
+
+    Without a checkpoint all ``hours_in`` hours are redone. With one every k minutes, at most k
+    minutes (k/2 on average, the preemption falling anywhere in the interval) plus the restart.
+    """
+    burn = _positive("run_cost", run_cost) / _positive("run_hours", run_hours)
+    if not 0 < hours_in <= run_hours:
+        raise ValueError(f"hours_in must be in (0, run_hours={run_hours}], got {hours_in!r}")
+    restart = restart_minutes / 60.0
+    if checkpoint_every_minutes is None:
+        lost_worst = lost_mean = hours_in
+    else:
+        k = _positive("checkpoint_every_minutes", checkpoint_every_minutes) / 60.0
+        lost_worst, lost_mean = min(k, hours_in), min(k, hours_in) / 2
+    return {"burn_per_hour": burn, "lost_hours_worst": lost_worst + restart,
+            "lost_hours_mean": lost_mean + restart, "lost_cost_worst": (lost_worst + restart) * burn,
+            "lost_cost_mean": (lost_mean + restart) * burn}

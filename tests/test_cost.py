@@ -1,0 +1,82 @@
+import math
+
+import pytest
+
+from labkit import cost
+from labkit.choose import choose_strategy, min_devices, rule_of_thumb
+
+
+def test_six_n_d_and_recompute():
+    assert cost.training_flops(1e9, 1e12) == 6e21
+    assert cost.training_flops(1e9, 1e12, "full") == 8e21
+
+
+def test_time_and_price():
+    h = cost.training_hours(6e21, 8, 312, 0.5)
+    assert h == pytest.approx(6e21 / (8 * 312e12 * 0.5) / 3600)
+    run = cost.price_run(1e9, 1e12, 8, "a100-80gb", mfu=0.5, preemptions_per_instance_per_day=0.1)
+    assert run.gpu_hours == pytest.approx(8 * h)
+    assert run.cost_on_demand == pytest.approx(8 * h * cost.DEVICES["a100-80gb"].price_on_demand)
+    assert run.spot_hours > run.hours  # preemptions cost time
+
+
+def test_preemption_rates_of_the_seed_scenario():
+    # 5-15% per instance per day on 100 nodes: one preemption every few hours
+    lo, hi = cost.cluster_mtbf_hours(100, 0.15), cost.cluster_mtbf_hours(100, 0.05)
+    assert lo == pytest.approx(1.6) and hi == pytest.approx(4.8)
+
+
+def test_young_daly_is_near_the_minimum_of_expected_time():
+    m, c, r, w = 2.4, 2 / 60, 10 / 60, 24
+    tau = cost.young_daly_interval_hours(c, m)
+    assert tau == pytest.approx(math.sqrt(2 * c * m))
+    best = min((cost.expected_wall_hours(w, m, t / 100, c, r), t / 100) for t in range(5, 600))
+    assert cost.expected_wall_hours(w, m, tau, c, r) <= best[0] * 1.02
+    assert cost.expected_wall_hours(w, m, None, 0, r) > 100 * w  # without checkpoints: hopeless
+    assert cost.expected_wall_hours(w, 1e9, tau, 0, 0) == pytest.approx(w, rel=1e-6)  # no failures
+
+
+def test_the_18000_dollar_run():
+    none = cost.preemption_loss(18000, 24, 14, None)
+    every30 = cost.preemption_loss(18000, 24, 14, 30)
+    assert none["lost_cost_worst"] == pytest.approx((14 + 10 / 60) * 750)
+    assert every30["lost_cost_worst"] == pytest.approx((0.5 + 10 / 60) * 750)
+    assert every30["lost_cost_mean"] < every30["lost_cost_worst"]
+
+
+def test_rule_of_thumb_and_where_it_is_wrong():
+    assert rule_of_thumb(1e9, 80) == "DDP" and rule_of_thumb(13e9, 80) == "FSDP" and rule_of_thumb(175e9, 80) == "ZeRO-3"
+    # activations, not parameters: a 1.3B model at 16k tokens x 8 does not fit under DDP
+    long = choose_strategy("gpt3-1.3b", 8, 80, micro_batch=8, seq_len=16384)
+    assert long.rule_of_thumb == "DDP" and not long.rule_fits and long.strategy != "DDP"
+    # over-sharding: 7B on 64 GPUs fits with ZeRO-1
+    assert choose_strategy("llama2-7b", 64, 80).strategy == "ZeRO-1"
+    # 70B on 8 x 80 GB: only with recomputation and optimizer offload
+    r = choose_strategy("llama2-70b", 8, 80)
+    assert "offload" in r.strategy and "host memory" in r.reason
+    small = choose_strategy("gpt2-124m", 8, 80, micro_batch=8, seq_len=1024)
+    assert small.strategy == "DDP" and small.rule_fits
+
+
+def test_nothing_fits_is_said_with_numbers():
+    r = choose_strategy("gpt3-175b", 8, 16)
+    assert r.strategy is None and "nothing fits on 8 x 16 GB" in r.reason
+
+
+def test_min_devices():
+    assert min_devices("10b", 0) is None  # DDP never fits 160 GB of model states
+    assert min_devices("10b", 1) == 8
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: cost.training_flops(0, 1e9), "n_params must be a positive number"),
+    (lambda: cost.training_flops(1e9, 1e9, "half"), "recompute='half' is unknown"),
+    (lambda: cost.training_hours(1e20, 8, 312, 1.5), r"mfu must be in \(0, 1\]"),
+    (lambda: cost.device("tpu-v9"), "device='tpu-v9' is unknown; valid devices"),
+    (lambda: cost.preemption_loss(18000, 24, 30, None), "hours_in must be in"),
+    (lambda: cost.cluster_mtbf_hours(0, 0.1), "n_instances must be a positive number"),
+    (lambda: choose_strategy("llama2-7b", 8, headroom=1.0), r"headroom must be in \[0, 1\)"),
+])
+def test_bad_input_is_named(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -1,0 +1,122 @@
+"""The calculator against the published tables and against measurement."""
+import pytest
+import torch
+
+from labkit import memory as mem
+from labkit.memory_probe import (activation_bytes_per_layer_measured, fake_fsdp_memory,
+                                 model_states_after_one_step, saved_activation_bytes)
+from labkit.model import GPT, GPTConfig, build_model
+
+
+def test_zero_paper_figure_1():
+    """Rajbhandari et al. 2020, Figure 1: 7.5B parameters, 64 devices, K = 12."""
+    gb = [mem.zero_model_state_bytes(7_500_000_000, 64, s) / mem.GB for s in range(4)]
+    assert [round(g, 1) for g in gb] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_zero_formulas_and_breakdown_agree():
+    psi, n = 1_000_003, 7
+    assert mem.zero_model_state_bytes(psi, n, 0) == 16 * psi
+    assert mem.zero_model_state_bytes(psi, 1, 3) == 16 * psi  # one rank: sharding changes nothing
+    for s in range(4):
+        total = mem.model_state_breakdown(psi, n, s, "mixed").total
+        assert abs(total - mem.zero_model_state_bytes(psi, n, s)) <= 3  # per-part ceilings
+    assert mem.zero_model_state_bytes(psi, n, 1, k=8) < mem.zero_model_state_bytes(psi, n, 1)
+
+
+def test_breakdown_precisions_and_accumulation_buffer():
+    b = mem.model_state_breakdown(100, precision="fp32")
+    assert (b.params, b.grads, b.optimizer, b.total) == (400, 400, 800, 1600)
+    assert mem.model_state_breakdown(100, precision="bf16").total == 800
+    acc = mem.model_state_breakdown(100, 4, 2, "mixed", fp32_grad_accum=True)
+    assert acc.grad_accum == 100 and acc.params == 200 and acc.grads == 50
+
+
+def test_korthikanti_activation_formulas():
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    sbh = s * b * h
+    assert mem.activation_bytes_per_layer(s, b, h, a) == sbh * (34 + 5 * a * s / h)
+    assert mem.activation_bytes_per_layer(s, b, h, a, tp=t) == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)), abs=1)
+    assert mem.activation_bytes_per_layer(s, b, h, a, tp=t, sequence_parallel=True) == pytest.approx(sbh / t * (34 + 5 * a * s / h), abs=1)
+    assert mem.activation_bytes_per_layer(s, b, h, a, recompute="selective") == 34 * sbh
+    assert mem.activation_bytes_per_layer(s, b, h, a, tp=t, recompute="selective") == pytest.approx(sbh * (10 + 24 / t), abs=1)
+    assert mem.activation_bytes_per_layer(s, b, h, a, recompute="full") == 2 * sbh
+    # full recompute keeps ~2% of a GPT-3 layer's activations: "saves ~98%"
+    ratio = mem.activation_bytes_per_layer(s, b, h, a, recompute="full") / mem.activation_bytes_per_layer(s, b, h, a)
+    assert 0.01 < ratio < 0.03
+
+
+def test_model_states_measured_within_one_percent():
+    for cfg in (GPTConfig(), GPTConfig(n_layer=3, n_embd=96, n_head=4)):
+        n = GPT.count_params(cfg)
+        for precision in ("fp32", "bf16"):
+            got = model_states_after_one_step(cfg, precision)
+            want = mem.model_state_breakdown(n, precision=precision)
+            assert got.params == want.params and got.grads == want.grads
+            assert abs(got.total / want.total - 1) < 0.01
+
+
+@pytest.mark.parametrize("cfg, b", [(GPTConfig(), 4), (GPTConfig(n_embd=96, n_head=3, block_size=48), 3)])
+def test_saved_activations_per_layer_match_the_formula(cfg, b):
+    """fp32: exact but for LayerNorm's mean/rstd (16sb bytes, < 1%); bf16 autocast: exact."""
+    s, h, a = cfg.block_size, cfg.n_embd, cfg.n_head
+    f32 = mem.activation_bytes_per_layer(s, b, h, a, dtype_bytes=4, dropout=False, flash_attention=True)
+    got32 = activation_bytes_per_layer_measured(cfg, b)
+    assert got32 - f32 == 16 * s * b
+    assert abs(got32 / f32 - 1) < 0.01
+    b16 = (mem.activation_bytes_per_layer(s, b, h, a, dtype_bytes=2, dropout=False, flash_attention=True)
+           + mem.autocast_extra_bytes_per_layer(s, b, h))
+    assert activation_bytes_per_layer_measured(cfg, b, torch.bfloat16) == b16
+
+
+def test_saved_activations_free_after_backward_and_exclude_parameters():
+    model = build_model(GPTConfig())
+    x = torch.randint(0, 256, (2, 64))
+    saved = saved_activation_bytes(model, x, x)
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert 0 < saved["total"] < 10 * param_bytes
+    assert "addmm" in saved and "native_layer_norm" in saved
+
+
+def test_fake_7b_fsdp_matches_the_calculator():
+    cfg = GPTConfig(vocab_size=50304, block_size=2048, n_layer=32, n_head=32, n_embd=4096)
+    fake = fake_fsdp_memory(cfg, world_size=8)
+    est = mem.estimate_memory(mem.ModelShape.from_gpt_config(cfg), 1, 8, 3, "fp32", dropout=False)
+    assert fake["n_params"] > 6.5e9
+    assert abs((fake["params"] + fake["grads"] + fake["optimizer"]) / (est.params + est.grads + est.optimizer) - 1) < 0.01
+    assert abs(fake["activations"] / (est.activations + est.head) - 1) < 0.01
+
+
+def test_whole_model_estimate_says_whether_it_fits():
+    e = mem.estimate_memory("llama2-70b", world_size=8, stage=3, device_memory_gb=80)
+    assert not e.fits and e.margin < 0 and e.total == e.device_bytes - e.margin
+    off = mem.estimate_memory("llama2-70b", world_size=8, stage=3, recompute="full",
+                              offload_optimizer=True, device_memory_gb=80)
+    assert off.fits and off.optimizer == 0 and off.host_bytes == e.optimizer
+    small = mem.estimate_memory("gpt2-124m", micro_batch=8, device_memory_gb=80)
+    assert small.fits and small.to_dict()["fits"]
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: mem.zero_model_state_bytes(0, 8, 1), "n_params must be a positive integer"),
+    (lambda: mem.zero_model_state_bytes(1.5, 8, 1), "n_params must be a positive integer"),
+    (lambda: mem.zero_model_state_bytes(10, 0, 1), "world_size must be a positive integer"),
+    (lambda: mem.zero_model_state_bytes(10, 8, 4), r"stage=4 is unknown; valid ZeRO stages: \[0, 1, 2, 3\]"),
+    (lambda: mem.model_state_breakdown(10, precision="fp8"), "precision='fp8' is unknown"),
+    (lambda: mem.activation_bytes_per_layer(128, 1, 64, 4, recompute="some"), r"recompute='some' is unknown; valid modes: \['none', 'selective', 'full'\]"),
+    (lambda: mem.activation_bytes_per_layer(-1, 1, 64, 4), "seq_len must be a positive integer"),
+    (lambda: mem.estimate_memory("gpt-5"), "model='gpt-5' is unknown"),
+    (lambda: mem.estimate_memory("gpt2-124m", world_size=6, tp=4), "tp=4 must divide world_size=6"),
+])
+def test_bad_input_is_named(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_cli_prints_the_breakdown(capsys):
+    from labkit.estimate import main
+
+    assert main(["--model", "llama2-70b", "--devices", "8", "--tokens", "2e12"]) == 0
+    out = capsys.readouterr().out
+    assert "68.98 B parameters" in out and "recommended:" in out and "GPU-hours" in out
+    assert out.count(" no\n") == 4  # no ZeRO stage alone fits 70B on 8 x 80 GB
