@@ -108,8 +108,9 @@ def fake_fsdp_memory(cfg, world_size: int = 8, micro_batch: int = 1) -> dict[str
 
     Nothing is allocated: the model, its shards and the step run under ``FakeTensorMode`` on a fake
     process group, and ``FSDPMemTracker`` tallies what each tensor would occupy. Returns the
-    sharded parameters, gradients and optimizer states after a step and the activations held
-    after forward.
+    sharded parameters, gradients and optimizer states after a step, the activations held
+    after forward, and at the step's peak the total and the transient part (parameters gathered
+    for the layer at work, communication buffers, temporaries).
     """
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -146,8 +147,11 @@ def fake_fsdp_memory(cfg, world_size: int = 8, micro_batch: int = 1) -> dict[str
     def pick(snap, name):
         return sum(v for dev in snap.values() for k, v in dev.items() if str(k).endswith(name))
 
+    peak = tracker.get_tracker_snapshot("peak")
+    transient = ("UNSHARDED_PARAM", "UNSHARDED_GRAD", "ALL_GATHER", "REDUCE_SCATTER", ".TEMP")
     return {"params": pick(after_step, "SHARDED_PARAM"), "grads": pick(after_step, "SHARDED_GRAD"),
             "optimizer": pick(after_step, ".OPT"), "activations": pick(after_fw, ".ACT"),
+            "peak_total": pick(peak, "Total"), "peak_transient": sum(pick(peak, k) for k in transient),
             "n_params": GPT.count_params(cfg)}
 
 
