@@ -42,6 +42,17 @@ PROFILES: dict[str, dict[str, dict]] = {
         "gpu": dict(device="cuda", sizes=[[12, 768, 12], [24, 1024, 16], [36, 1280, 20]], block_size=1024,
                     micro_batch=8, mp_steps=300, mp_batch_size=16, mp_lr=3e-4, fake_7b_ranks=8, seed=0),
     },
+    "activation_checkpointing": {
+        "cpu": dict(device="cpu", seq_lens=[128, 256, 512], depths=[2, 4], n_embd=128, n_head=4,
+                    micro_batch=4, policies=["none", "every:2", "selective", "full"], repeats=3,
+                    budget_model="llama2-7b", budget_devices=8, budget_gb=80.0, seed=0),
+        "ci": dict(device="cpu", seq_lens=[128, 256], depths=[2, 4], n_embd=64, n_head=2,
+                   micro_batch=4, policies=["none", "every:2", "selective", "full"], repeats=5,
+                   budget_model="llama2-7b", budget_devices=8, budget_gb=80.0, seed=0),
+        "gpu": dict(device="cuda", seq_lens=[1024, 2048, 4096], depths=[12, 24], n_embd=1024, n_head=16,
+                    micro_batch=4, policies=["none", "every:2", "selective", "full"], repeats=5,
+                    budget_model="llama2-7b", budget_devices=8, budget_gb=80.0, seed=0),
+    },
     "strategy_cost": {
         "cpu": dict(tokens=1e12, target_days=30, mfu=0.4, run_cost=18000.0, run_hours=24.0, hours_in=14.0,
                     preemptions_per_instance_per_day=[0.05, 0.15], instances=100,

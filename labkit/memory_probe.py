@@ -89,18 +89,23 @@ def saved_activation_bytes(model: nn.Module, idx: torch.Tensor, targets: torch.T
 
 
 def activation_bytes_per_layer_measured(cfg, micro_batch: int, autocast_dtype: torch.dtype | None = None,
-                                        seed: int = 0) -> int:
-    """Saved bytes per transformer layer: the difference between a 2L- and an L-layer model, over L."""
+                                        seed: int = 0, checkpointing: str = "none") -> int:
+    """Saved bytes per transformer layer: the difference between a 2L- and an L-layer model, over L.
+
+    ``checkpointing`` is an activation-checkpointing policy of
+    :mod:`labkit.activation_checkpointing` applied to both models.
+    """
     from dataclasses import replace
 
+    from labkit.activation_checkpointing import apply
     from labkit.model import build_model
 
     g = torch.Generator().manual_seed(seed)
     idx, tgt = torch.randint(0, cfg.vocab_size, (2, micro_batch, cfg.block_size), generator=g)
-    small = saved_activation_bytes(build_model(cfg, seed), idx, tgt, autocast_dtype)["total"]
+    small = saved_activation_bytes(apply(build_model(cfg, seed), checkpointing), idx, tgt, autocast_dtype)
     big_cfg = replace(cfg, n_layer=2 * cfg.n_layer)
-    big = saved_activation_bytes(build_model(big_cfg, seed), idx, tgt, autocast_dtype)["total"]
-    return (big - small) // cfg.n_layer
+    big = saved_activation_bytes(apply(build_model(big_cfg, seed), checkpointing), idx, tgt, autocast_dtype)
+    return (big["total"] - small["total"]) // cfg.n_layer
 
 
 def fake_fsdp_memory(cfg, world_size: int = 8, micro_batch: int = 1) -> dict[str, int]:

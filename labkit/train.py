@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from labkit.activation_checkpointing import apply as apply_checkpointing
+from labkit.activation_checkpointing import parse_policy
 from labkit.comm import CommCounter
 from labkit.data import check_shard, get_batch, load_corpus, train_val_split
 from labkit.launch import check_device, init_from_env
@@ -43,6 +45,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     precision: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (autocast + loss scaling, CUDA only)
+    activation_checkpointing: str = "none"  # none | full | every:k | selective
     bucket_cap_mb: float = 25.0
     progress: bool | None = None  # None: a bar when attached to a terminal and steps >= 50
     return_params: bool = False
@@ -59,6 +62,10 @@ class TrainConfig:
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip!r}")
         check_device(self.device, 1)
+        try:
+            parse_policy(self.activation_checkpointing)
+        except ValueError as e:
+            raise ValueError(f"activation_checkpointing: {e}") from None
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r} is unknown; valid precisions: {list(PRECISIONS)}")
         if self.precision == "fp16" and self.device != "cuda":
@@ -81,6 +88,7 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     data = train_val_split(load_corpus(corpus)).train
 
     model = build_model(model_cfg, seed=cfg.seed).to(device)
+    apply_checkpointing(model, cfg.activation_checkpointing)  # before any wrapper, as DDP/FSDP expect
     model, finish_backward = wrap(model, cfg.strategy, device, cfg.bucket_cap_mb)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -139,7 +147,7 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     inner = getattr(model, "module", model)
     result = {
         "strategy": cfg.strategy, "world_size": world, "device": cfg.device, "steps": cfg.steps,
-        "precision": cfg.precision,
+        "precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
         "seed": cfg.seed, "batch_size": cfg.batch_size, "model": model_cfg.to_dict(),
         "n_params": inner.num_params(),
         "grad_bytes": sum(p.numel() * p.element_size() for p in params),
@@ -179,9 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = vars(build_parser().parse_args(argv))
-    tc = TrainConfig(**{f.name: args[f.name] for f in fields(TrainConfig) if f.name in args})
-    mc = GPTConfig(**{f.name: args[f.name] for f in fields(GPTConfig)})
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    try:
+        tc = TrainConfig(**{f.name: args[f.name] for f in fields(TrainConfig) if f.name in args})
+        mc = GPTConfig(**{f.name: args[f.name] for f in fields(GPTConfig)})
+    except ValueError as e:
+        parser.error(str(e))  # exits 2 with the message, as for any other bad flag
     rank, world, _ = init_from_env(tc.device)
     try:
         result = train(tc, mc, corpus=args["corpus"])

@@ -1,4 +1,5 @@
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -6,6 +7,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import rank_fns from here too
+# DeepSpeed compiles a small comm op on first use: cache it in the build folder, as make does.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "_build" / "torch_extensions"))
+os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
 
 
 @pytest.fixture(scope="session")

@@ -78,3 +78,55 @@ def toy_grads(wrapper: str, bucket_cap_mb: float = 1e-4) -> dict:
         out.append({n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()})
         model.zero_grad(set_to_none=True)
     return {"grads": out, "n_buckets": len(getattr(wrapped, "buckets", []))}
+
+
+def fsdp_losses_with_checkpointing(policy: str, steps: int = 3) -> list[float]:
+    """FSDP2 (fully_shard per block, then the root) on a checkpointed GPT: apply, then shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from labkit.activation_checkpointing import apply
+    from labkit.data import get_batch, load_corpus
+    from labkit.model import GPTConfig, build_model
+
+    cfg = GPTConfig(block_size=32)
+    model = apply(build_model(cfg, seed=0), policy)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data, losses = load_corpus(), []
+    for step in range(steps):
+        x, y = get_batch(data, step, 8, 32, 0, dist.get_rank(), dist.get_world_size())
+        loss = model(x, y)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / dist.get_world_size())
+    return losses
+
+
+def deepspeed_checkpoint_grads(policy: str) -> dict:
+    """DeepSpeed's activation checkpointing on the GPT: gradients against no checkpointing."""
+    import deepspeed
+
+    from labkit.activation_checkpointing import apply
+    from labkit.model import GPTConfig, build_model
+
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    cfg = GPTConfig(block_size=32)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(dist.get_rank()))
+    ref = build_model(cfg)
+    ref(x, x)[1].backward()
+    out = {}
+    try:
+        model = apply(build_model(cfg), policy, backend="deepspeed")
+        model(x, x)[1].backward()
+        out["max_diff"] = max((a.grad - b.grad).abs().max().item()
+                              for a, b in zip(ref.parameters(), model.parameters()))
+    except ValueError as e:
+        out["error"] = str(e)
+    return out

@@ -78,13 +78,32 @@ def test_strategy_cost_lab_metrics(lab_metrics):
     assert m["wall_opt_h"] < 1.5 * m["params"]["run_hours"] < m["wall_none_h"]
 
 
+def test_activation_checkpointing_lab_metrics(lab_metrics):
+    m = lab_metrics["activation_checkpointing"]
+    assert all(d == 0.0 for d in m["grad_diff"].values())  # recomputation reproduces the gradients
+    for r in m["sweep"]:
+        if r["policy"] == "full":
+            assert r["mem_ratio"] < 0.35 and 1.1 < r["flop_ratio"] <= 4 / 3
+        if r["policy"] == "selective":
+            assert r["mem_ratio"] < 1.0 and r["flop_ratio"] <= 1.05
+    for row in m["per_layer"]:
+        assert row["full"] == row["formula_full"]
+        assert abs(row["none"] / row["formula_none"] - 1) < 0.01
+        if row["seq_len"] >= 256:
+            assert 1 - row["full"] / row["none"] >= 0.85
+    assert 0.97 < m["gpt3_full_saving"] < 0.99  # the formula's ~98% for GPT-3 shapes
+    fit = m["fit"]
+    assert fit["full"]["micro_batch"] >= 4 * fit["none"]["micro_batch"]
+    assert fit["full"]["n_layer"] < 5 * fit["none"]["n_layer"]  # not "10x larger models"
+
+
 def test_executed_labs_have_figures_and_no_errors(lab_metrics):
     for name in lab_metrics:
         nb = json.loads((OUT_DIR / f"{name}.ipynb").read_text())
         outputs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]
         assert not [o for o in outputs if o["output_type"] == "error"]
         figures = sum("image/png" in o.get("data", {}) for o in outputs)
-        assert figures >= {"strategy_cost": 1}.get(name, 3), name
+        assert figures >= {"strategy_cost": 1, "activation_checkpointing": 2}.get(name, 3), name
 
 
 def test_unknown_profile_lab_and_override_are_named(tmp_path):
