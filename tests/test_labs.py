@@ -109,7 +109,7 @@ def test_executed_labs_have_figures_and_no_errors(lab_metrics):
 def test_unknown_profile_lab_and_override_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"PROFILE='huge' is unknown for lab 'data_parallel'; valid profiles: \['cpu', 'ci', 'gpu'\]"):
         run_lab("data_parallel", "huge", tmp_path)
-    with pytest.raises(ValueError, match=r"LAB='nope' does not exist; valid labs: \['data_parallel'"):
+    with pytest.raises(ValueError, match=r"LAB='nope' does not exist; valid labs: \['activation_checkpointing', 'data_parallel'"):
         run_lab("nope", "ci", tmp_path)
     with pytest.raises(ValueError, match=r"OVERRIDES has unknown keys \['stepz'\]"):
         resolve("data_parallel", "cpu", stepz=3)
