@@ -6,8 +6,9 @@ checkpointed segments and re-run each segment's forward during backward. Policie
 * ``"none"``: autograd keeps everything backward needs.
 * ``"full"``: every block is a segment; only block inputs are kept (Korthikanti et al.'s "full
   recomputation", 2sbh bytes per layer in 16 bits), at the price of one more forward pass.
-* ``"every:k"``: blocks 0, k, 2k, ... are checkpointed; the rest keep their activations. With
-  k near sqrt(n_layer) this is Chen et al.'s sqrt(n) schedule in spirit: memory traded smoothly.
+* ``"every:k"``: blocks 0, k, 2k, ... are checkpointed; the rest keep their activations, so about
+  (1 - 1/k) of the activations stay: a knob between "none" and "full". (Chen et al.'s sqrt(n)
+  schedule instead checkpoints segments of several consecutive layers as one unit.)
 * ``"selective"``: inside every block, keep the outputs of the compute-heavy ops (matmuls and the
   fused attention kernel) and recompute the cheap element-wise ones (LayerNorm, GELU, residual
   adds), as Korthikanti et al. 2022 recompute the cheap-to-compute, expensive-to-store parts; the
@@ -35,6 +36,7 @@ _aten = torch.ops.aten
 SAVE_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.linear.default,
             _aten._scaled_dot_product_flash_attention.default,
             _aten._scaled_dot_product_efficient_attention.default,
+            _aten._scaled_dot_product_cudnn_attention.default,
             _aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
@@ -69,8 +71,8 @@ def _deepspeed_checkpoint(kind: str):
         raise ValueError("policy='selective' has no DeepSpeed equivalent (DeepSpeed checkpoints whole "
                          "segments); use backend='torch' for it, or 'full' / 'every:k' with DeepSpeed")
     if not deepspeed.comm.is_initialized():
-        raise RuntimeError("backend='deepspeed' needs deepspeed.init_distributed() first "
-                           "(labkit's DeepSpeed strategies call it)")
+        raise RuntimeError("backend='deepspeed' needs DeepSpeed's process group: call "
+                           "deepspeed.init_distributed() (after torchrun or labkit.launch) first")
     ds_checkpointing.configure(None, partition_activations=False, checkpoint_in_cpu=False)
     return ds_checkpointing.checkpoint
 
@@ -97,12 +99,31 @@ def apply(model: nn.Module, policy: str, backend: str = "torch") -> nn.Module:
     return model
 
 
+def _count_cpu_attention_flops() -> None:
+    """Give the CPU fused-attention kernels the FLOP formulas PyTorch registers for the CUDA ones.
+
+    ``FlopCounterMode`` knows ``_scaled_dot_product_flash_attention`` (CUDA) but not its CPU twin,
+    which would make attention, and its recomputation, cost zero FLOPs on CPU.
+    """
+    from torch.utils import flop_counter as fc
+
+    for op, formula in ((_aten._scaled_dot_product_flash_attention_for_cpu, fc.sdpa_flop),
+                        (_aten._scaled_dot_product_flash_attention_for_cpu_backward, fc.sdpa_backward_flop)):
+        if op not in fc.flop_registry:
+            fc.register_flop_formula(op, get_raw=True)(formula)  # formula already takes shapes
+
+
+_count_cpu_attention_flops()
+
+
 def measure_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, repeats: int = 3) -> dict:
     """One training step's activation bytes held for backward, peak bytes, FLOPs and wall time.
 
     Saved bytes come from the live-storage count of :mod:`labkit.memory_probe` (it also sees what
     selective checkpointing caches); the peak is CUDA's allocator peak on GPU, the saved figure on
-    CPU. FLOPs are forward + backward from ``FlopCounterMode``; time is the median of ``repeats``.
+    CPU. FLOPs are forward + backward from ``FlopCounterMode`` (matmuls and attention; element-wise
+    ops count zero); time is the median of ``repeats`` after one warm-up step, with the spread
+    (max - min) / median, so a reader can tell a difference from noise.
     """
     from labkit.memory_probe import saved_activation_bytes
 
@@ -113,7 +134,7 @@ def measure_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, rep
     model.zero_grad(set_to_none=True)
     cuda = idx.device.type == "cuda"
     times, peak = [], saved
-    for _ in range(repeats):
+    for i in range(repeats + 1):  # the first run warms caches and the allocator, and is not timed
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -122,18 +143,22 @@ def measure_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, rep
         if cuda:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
-        times.append(time.perf_counter() - t0)
+        if i:
+            times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
-    return {"saved_bytes": saved, "peak_bytes": peak, "flops": flops,
-            "seconds": sorted(times)[len(times) // 2]}
+    times.sort()
+    median = times[len(times) // 2]
+    return {"saved_bytes": saved, "peak_bytes": peak, "flops": flops, "seconds": median,
+            "seconds_spread": (times[-1] - times[0]) / median}
 
 
 def largest_fit(model, recompute: str, world_size: int = 8, device_memory_gb: float = 80.0,
-                stage: int = 3, vary: str = "micro_batch", limit: int = 4096) -> int:
+                stage: int = 3, vary: str = "micro_batch", limit: int = 4096, headroom: float = 0.1) -> int:
     """The largest micro-batch, or number of layers, that fits per the memory calculator.
 
     ``vary="n_layer"`` grows the model at fixed width: parameters scale with depth (12 h^2 per
-    layer plus the embeddings), so this answers "how much larger a model fits".
+    layer plus the embeddings), so this answers "how much larger a model fits". ``headroom`` is
+    kept free for temporaries, as :func:`labkit.choose.choose_strategy` does.
     """
     from dataclasses import replace
 
@@ -150,8 +175,8 @@ def largest_fit(model, recompute: str, world_size: int = 8, device_memory_gb: fl
             s = replace(shape, n_layer=x, n_params=embed + 12 * x * shape.hidden ** 2)
         else:
             mb = x
-        return estimate_memory(s, mb, world_size, stage, recompute=recompute,
-                               device_memory_gb=device_memory_gb).fits
+        e = estimate_memory(s, mb, world_size, stage, recompute=recompute, device_memory_gb=device_memory_gb)
+        return e.total <= e.device_bytes * (1 - headroom)
 
     lo, hi = 0, 1
     while hi <= limit and fits(hi):

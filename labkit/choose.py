@@ -14,19 +14,23 @@ from dataclasses import dataclass
 
 from labkit.memory import GB, MemoryEstimate, estimate_memory, model_shape
 
-# (label, stage, recompute, offload, tp)
+# (label, stage, recompute, offload, tp, pp). "selective" is Korthikanti et al.'s: recompute the
+# attention scores, which fused attention (the calculator's default) never stores anyway.
 CANDIDATES = [
-    ("DDP", 0, "none", False, 1),
-    ("ZeRO-1", 1, "none", False, 1),
-    ("ZeRO-2 (FSDP SHARD_GRAD_OP)", 2, "none", False, 1),
-    ("ZeRO-2 + selective recompute", 2, "selective", False, 1),
-    ("ZeRO-3 / FSDP", 3, "none", False, 1),
-    ("ZeRO-3 / FSDP + selective recompute", 3, "selective", False, 1),
-    ("ZeRO-3 / FSDP + full recompute", 3, "full", False, 1),
-    ("ZeRO-3 / FSDP + full recompute + optimizer offload", 3, "full", True, 1),
-    ("TP=2 + SP + ZeRO-3 + full recompute", 3, "full", False, 2),
-    ("TP=4 + SP + ZeRO-3 + full recompute", 3, "full", False, 4),
-    ("TP=8 + SP + ZeRO-3 + full recompute", 3, "full", False, 8),
+    ("DDP", 0, "none", False, 1, 1),
+    ("ZeRO-1", 1, "none", False, 1, 1),
+    ("ZeRO-2 (FSDP SHARD_GRAD_OP)", 2, "none", False, 1, 1),
+    ("ZeRO-2 + selective recompute", 2, "selective", False, 1, 1),
+    ("ZeRO-3 / FSDP", 3, "none", False, 1, 1),
+    ("ZeRO-3 / FSDP + selective recompute", 3, "selective", False, 1, 1),
+    ("ZeRO-3 / FSDP + full recompute", 3, "full", False, 1, 1),
+    ("ZeRO-3 / FSDP + full recompute + optimizer offload", 3, "full", True, 1, 1),
+    ("TP=2 + SP + ZeRO-3 + full recompute", 3, "full", False, 2, 1),
+    ("TP=4 + SP + ZeRO-3 + full recompute", 3, "full", False, 4, 1),
+    ("TP=8 + SP + ZeRO-3 + full recompute", 3, "full", False, 8, 1),
+    ("TP=8 + PP=2 (1F1B) + ZeRO-1 + full recompute", 1, "full", False, 8, 2),
+    ("TP=8 + PP=4 (1F1B) + ZeRO-1 + full recompute", 1, "full", False, 8, 4),
+    ("TP=8 + PP=8 (1F1B) + ZeRO-1 + full recompute", 1, "full", False, 8, 8),
 ]
 
 
@@ -82,15 +86,17 @@ def choose_strategy(model, n_devices: int, device_memory_gb: float = 80.0, micro
     """
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
+    if isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1:
+        raise ValueError(f"n_devices must be a positive integer, got {n_devices!r}")
     shape = model_shape(model)
     usable = int(device_memory_gb * GB * (1 - headroom))
     options = []
-    for label, stage, recompute, offload, tp in CANDIDATES:
-        if tp > min(devices_per_node, n_devices) or n_devices % tp:
+    for label, stage, recompute, offload, tp, pp in CANDIDATES:
+        if tp > min(devices_per_node, n_devices) or n_devices % (tp * pp) or pp > shape.n_layer:
             continue
         est = estimate_memory(shape, micro_batch, n_devices, stage, precision, recompute, tp,
                               sequence_parallel=tp > 1, device_memory_gb=device_memory_gb,
-                              offload_optimizer=offload, seq_len=seq_len)
+                              offload_optimizer=offload, seq_len=seq_len, pp=pp)
         options.append(Option(label, est, usable))
     rule = rule_of_thumb(shape.n_params, device_memory_gb)
     first = next((o for o in options if o.fits), None)

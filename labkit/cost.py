@@ -8,8 +8,9 @@
 * Preemptions arrive as a Poisson process. With checkpoints every tau hours that take C hours to
   write, a restart that takes R hours and a mean time between failures M, the expected wall time
   of W hours of work is (W/tau) (M + R) (exp((tau + C)/M) - 1) (Daly 2006, eq. 9 with segments
-  of tau + C); without checkpoints it is (M + R)(exp(W/M) - 1). The interval that minimises it is
-  close to Young's sqrt(2 C M) (Young 1974; Daly 2006).
+  of tau + C, first order in the restart: Daly charges it as M exp(R/M)); without checkpoints it is
+  (M + R)(exp(W/M) - 1). The interval that minimises it is close to Young's sqrt(2 C M)
+  (Young 1974; Daly 2006).
 """
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ DEVICES = {
 }
 
 
+def _count(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < 1:
+        raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    return int(v)
+
+
 def _positive(name: str, v: float) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v):
         raise ValueError(f"{name} must be a positive number, got {v!r}")
@@ -64,13 +71,13 @@ def training_hours(flops: float, n_devices: int, peak_tflops: float, mfu: float)
     """Wall-clock hours at a sustained ``mfu`` fraction of the devices' peak."""
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu must be in (0, 1], got {mfu!r}")
-    n = _positive("n_devices", n_devices)
+    n = _count("n_devices", n_devices)
     return _positive("flops", flops) / (n * _positive("peak_tflops", peak_tflops) * 1e12 * mfu) / 3600.0
 
 
 def cluster_mtbf_hours(n_instances: int, preemptions_per_instance_per_day: float) -> float:
     """Mean hours between preemptions anywhere in a job of ``n_instances`` (any one stops it)."""
-    rate = _positive("n_instances", n_instances) * _positive(
+    rate = _count("n_instances", n_instances) * _positive(
         "preemptions_per_instance_per_day", preemptions_per_instance_per_day) / HOURS_PER_DAY
     return 1.0 / rate
 
@@ -117,7 +124,7 @@ def price_run(n_params: float, tokens: float, n_devices: int, device_name: str, 
     dev = device(device_name)
     flops = training_flops(n_params, tokens, recompute)
     hours = training_hours(flops, n_devices, dev.peak_bf16_tflops, mfu)
-    instances = math.ceil(n_devices / _positive("devices_per_instance", devices_per_instance))
+    instances = math.ceil(_count("n_devices", n_devices) / _count("devices_per_instance", devices_per_instance))
     mtbf = cluster_mtbf_hours(instances, preemptions_per_instance_per_day)
     c, r = checkpoint_minutes / 60.0, restart_minutes / 60.0
     tau = young_daly_interval_hours(c, mtbf) if c > 0 else hours

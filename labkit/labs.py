@@ -44,13 +44,13 @@ PROFILES: dict[str, dict[str, dict]] = {
     },
     "activation_checkpointing": {
         "cpu": dict(device="cpu", seq_lens=[128, 256, 512], depths=[2, 4], n_embd=128, n_head=4,
-                    micro_batch=4, policies=["none", "every:2", "selective", "full"], repeats=3,
+                    micro_batch=4, policies=["none", "every:2", "selective", "full"], repeats=7,
                     budget_model="llama2-7b", budget_devices=8, budget_gb=80.0, seed=0),
         "ci": dict(device="cpu", seq_lens=[128, 256], depths=[2, 4], n_embd=64, n_head=2,
-                   micro_batch=4, policies=["none", "every:2", "selective", "full"], repeats=5,
+                   micro_batch=4, policies=["none", "every:2", "selective", "full"], repeats=7,
                    budget_model="llama2-7b", budget_devices=8, budget_gb=80.0, seed=0),
         "gpu": dict(device="cuda", seq_lens=[1024, 2048, 4096], depths=[12, 24], n_embd=1024, n_head=16,
-                    micro_batch=4, policies=["none", "every:2", "selective", "full"], repeats=5,
+                    micro_batch=4, policies=["none", "every:2", "selective", "full"], repeats=7,
                     budget_model="llama2-7b", budget_devices=8, budget_gb=80.0, seed=0),
     },
     "strategy_cost": {
@@ -79,11 +79,12 @@ def resolve(lab: str, profile: str = "cpu", **overrides) -> dict:
     unknown = set(overrides) - set(p)
     if unknown:
         raise ValueError(f"OVERRIDES has unknown keys {sorted(unknown)}; valid keys: {sorted(p)}")
-    if p.get("world_size") == "all":
+    if p.get("device") == "cuda" and "device" not in overrides:
         n = _gpu_count()
         if n == 0:
             raise ValueError(f"PROFILE={profile!r} needs CUDA GPUs and found none; use PROFILE='cpu' or 'ci'")
-        p["world_size"] = n
+        if p.get("world_size") == "all":
+            p["world_size"] = n
     if p.get("batch_size") == "8 per rank":
         p["batch_size"] = 8 * p["world_size"]
     if p.get("ring_world_sizes") == "2..world_size":

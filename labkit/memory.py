@@ -146,6 +146,14 @@ class ModelShape:
     note: str = ""
 
     @classmethod
+    def from_n_params(cls, n_params: float, seq_len: int = 2048, vocab: int = 50257) -> "ModelShape":
+        """A GPT-3-proportioned shape for a bare parameter count: hidden = 128 x layers and
+        128-wide heads, as GPT-3's 6.7B, 13B and 175B models are (Brown et al. 2020, Table 2.1)."""
+        n = _pos_int("n_params", n_params)
+        layers = max(1, round((n / (12 * 128**2)) ** (1 / 3)))
+        return cls(n, layers, 128 * layers, layers, vocab, seq_len, "derived from the parameter count")
+
+    @classmethod
     def from_gpt_config(cls, cfg) -> "ModelShape":
         from labkit.model import GPT
 
@@ -166,12 +174,18 @@ MODELS = {
 }
 
 
-def model_shape(name_or_shape) -> ModelShape:
-    if isinstance(name_or_shape, ModelShape):
-        return name_or_shape
-    if name_or_shape not in MODELS:
-        raise ValueError(f"model={name_or_shape!r} is unknown; valid models: {sorted(MODELS)}")
-    return MODELS[name_or_shape]
+def model_shape(model) -> ModelShape:
+    """A ``ModelShape`` from a name in ``MODELS``, a ``GPTConfig``, a parameter count or a shape."""
+    if isinstance(model, ModelShape):
+        return model
+    if hasattr(model, "n_embd") and hasattr(model, "n_layer"):
+        return ModelShape.from_gpt_config(model)
+    if isinstance(model, (int, float)) and not isinstance(model, bool):
+        return ModelShape.from_n_params(model)
+    if model not in MODELS:
+        raise ValueError(f"model={model!r} is unknown; valid models: {sorted(MODELS)}, "
+                         "a GPTConfig, a ModelShape or a parameter count")
+    return MODELS[model]
 
 
 @dataclass(frozen=True)
@@ -189,7 +203,7 @@ class MemoryEstimate:
     grads: int
     optimizer: int
     activations: int
-    head: int  # final LayerNorm input and output, logits and their log-softmax
+    head: int  # final LayerNorm input and output, and the log-softmax of the logits
     device_bytes: int
     host_bytes: int = 0  # optimizer states moved to CPU memory by offload
     parts: dict = field(default_factory=dict)
@@ -215,23 +229,28 @@ def estimate_memory(model, micro_batch: int = 1, world_size: int = 1, stage: int
                     precision: str = "mixed", recompute: str = "none", tp: int = 1,
                     sequence_parallel: bool = False, device_memory_gb: float = 80.0,
                     offload_optimizer: bool = False, flash_attention: bool = True,
-                    dropout: bool = True, seq_len: int | None = None) -> MemoryEstimate:
+                    dropout: bool = True, seq_len: int | None = None, pp: int = 1) -> MemoryEstimate:
     """Whole-model, per-device estimate: model states, activations of every layer, and the head.
 
-    Tensor parallelism divides the layer weights by ``tp``; ZeRO shards over the
-    ``world_size / tp`` data-parallel ranks. The head keeps the final LayerNorm's input and output
-    and, in fp32 for the loss, the logits and the log-softmax that cross-entropy saves
-    (2 x 4 bytes of s*b*V/tp). Activations are 4 bytes wide in fp32 training, 2 otherwise.
+    Tensor parallelism divides the layer weights by ``tp`` and pipeline parallelism by ``pp``
+    stages; ZeRO shards over the ``world_size / (tp * pp)`` data-parallel ranks. Under a 1F1B
+    schedule the first stage holds ``pp`` micro-batches in flight for its ``L/pp`` layers, as many
+    layer-activations as without pipelining (Narayanan et al. 2021; Korthikanti et al. 2022,
+    section 4.2.3); the last stage holds the head. The head keeps the final LayerNorm's input and output
+    and the fp32 log-softmax that cross-entropy saves (4 bytes of s*b*V/tp; a loop that also holds
+    on to the logits keeps as much again). Activations are 4 bytes wide in fp32 training, 2 otherwise.
     """
     shape = model_shape(model)
-    world_size, tp = _pos_int("world_size", world_size), _pos_int("tp", tp)
-    if world_size % tp:
-        raise ValueError(f"tp={tp} must divide world_size={world_size}")
+    world_size, tp, pp = _pos_int("world_size", world_size), _pos_int("tp", tp), _pos_int("pp", pp)
+    if world_size % (tp * pp):
+        raise ValueError(f"tp={tp} x pp={pp} must divide world_size={world_size}")
+    if pp > shape.n_layer:
+        raise ValueError(f"pp={pp} stages need at least {pp} layers; the model has {shape.n_layer}")
     if device_memory_gb <= 0:
         raise ValueError(f"device_memory_gb must be positive, got {device_memory_gb!r}")
     s = _pos_int("seq_len", seq_len or shape.seq_len)
-    dp = world_size // tp
-    states = model_state_breakdown(math.ceil(shape.n_params / tp), dp, stage, precision)
+    dp = world_size // (tp * pp)
+    states = model_state_breakdown(math.ceil(shape.n_params / (tp * pp)), dp, stage, precision)
     act_dtype = 4 if precision == "fp32" else 2
     per_layer = activation_bytes_per_layer(s, micro_batch, shape.hidden, shape.heads, tp,
                                            sequence_parallel, recompute, act_dtype,
@@ -242,7 +261,10 @@ def estimate_memory(model, micro_batch: int = 1, world_size: int = 1, stage: int
                                              "none", act_dtype, dropout=dropout,
                                              flash_attention=flash_attention)
     micro_batch = _pos_int("micro_batch", micro_batch)
-    head = 2 * act_dtype * s * micro_batch * shape.hidden + math.ceil(2 * 4 * s * micro_batch * shape.vocab / tp)
+    head = 2 * act_dtype * s * micro_batch * shape.hidden + math.ceil(4 * s * micro_batch * shape.vocab / tp)
+    if pp > 1:  # the per-device peak: the first stage's in-flight layers, or the last stage's head
+        last = math.ceil(layers / pp) + head
+        layers, head = (layers, 0) if layers >= last else (last - head, head)
     name = model if isinstance(model, str) else "custom"
     optimizer, host = states.optimizer, 0
     if offload_optimizer:  # ZeRO-Offload (Ren et al. 2021): Adam states and step on the CPU

@@ -3,9 +3,9 @@
 * Model states: the bytes of the live parameter, gradient and optimizer-state tensors a rank holds,
   each storage counted once (tied weights share one; a DTensor shard counts its local part).
 * Activations: a ``TorchDispatchMode`` keeps a weak reference to the storage of every tensor the
-  forward pass creates; after forward, the storages still alive (and not parameters or inputs)
-  are exactly what autograd saved for backward, including what checkpointing caches, which
-  ``saved_tensors_hooks`` alone would miss.
+  forward pass creates; after forward, with only the loss kept, the storages still alive (and not
+  parameters or inputs) are what autograd saved for backward, including what checkpointing
+  caches, which ``saved_tensors_hooks`` alone would miss.
 * At scale, on fake tensors: FSDP2 on a fake process group under ``FakeTensorMode``, with
   PyTorch's ``FSDPMemTracker``, measures a 7B model's per-rank memory without allocating it.
 """
@@ -82,14 +82,15 @@ def saved_activation_bytes(model: nn.Module, idx: torch.Tensor, targets: torch.T
     amp = (torch.autocast(idx.device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext())
     tracker = SavedTensorTracker()
     with tracker, amp:
-        _, loss = model(idx, targets)
+        loss = model(idx, targets)[1]  # the logits are dropped, as a training loop should
     by_op = tracker.alive(exclude)
     del loss  # frees the graph and everything it saved
     return {**by_op, "total": sum(by_op.values())}
 
 
 def activation_bytes_per_layer_measured(cfg, micro_batch: int, autocast_dtype: torch.dtype | None = None,
-                                        seed: int = 0, checkpointing: str = "none") -> int:
+                                        seed: int = 0, checkpointing: str = "none",
+                                        device: str = "cpu") -> int:
     """Saved bytes per transformer layer: the difference between a 2L- and an L-layer model, over L.
 
     ``checkpointing`` is an activation-checkpointing policy of
@@ -101,10 +102,11 @@ def activation_bytes_per_layer_measured(cfg, micro_batch: int, autocast_dtype: t
     from labkit.model import build_model
 
     g = torch.Generator().manual_seed(seed)
-    idx, tgt = torch.randint(0, cfg.vocab_size, (2, micro_batch, cfg.block_size), generator=g)
-    small = saved_activation_bytes(apply(build_model(cfg, seed), checkpointing), idx, tgt, autocast_dtype)
+    idx, tgt = torch.randint(0, cfg.vocab_size, (2, micro_batch, cfg.block_size), generator=g).to(device)
+    small = saved_activation_bytes(apply(build_model(cfg, seed).to(device), checkpointing), idx, tgt, autocast_dtype)
     big_cfg = replace(cfg, n_layer=2 * cfg.n_layer)
-    big = saved_activation_bytes(apply(build_model(big_cfg, seed), checkpointing), idx, tgt, autocast_dtype)
+    big = saved_activation_bytes(apply(build_model(big_cfg, seed).to(device), checkpointing), idx, tgt,
+                                 autocast_dtype)
     return (big["total"] - small["total"]) // cfg.n_layer
 
 
@@ -141,7 +143,7 @@ def fake_fsdp_memory(cfg, world_size: int = 8, micro_batch: int = 1) -> dict[str
             tracker = FSDPMemTracker(model, opt)
             tracker.track_inputs((x,))
             with tracker:
-                _, loss = model(x, x)
+                loss = model(x, x)[1]
                 after_fw = tracker.get_tracker_snapshot("current")
                 loss.backward()
                 opt.step()

@@ -110,7 +110,7 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
         t0 = time.perf_counter()
         with CommCounter() as counter:
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                _, loss = model(x, y)
+                loss = model(x, y)[1]  # drop the logits: only autograd needs what it saved
             (scaler.scale(loss) if scaler else loss).backward()
             finish_backward()
             if scaler:

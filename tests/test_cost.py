@@ -74,7 +74,10 @@ def test_min_devices():
     (lambda: cost.training_hours(1e20, 8, 312, 1.5), r"mfu must be in \(0, 1\]"),
     (lambda: cost.device("tpu-v9"), "device='tpu-v9' is unknown; valid devices"),
     (lambda: cost.preemption_loss(18000, 24, 30, None), "hours_in must be in"),
-    (lambda: cost.cluster_mtbf_hours(0, 0.1), "n_instances must be a positive number"),
+    (lambda: cost.cluster_mtbf_hours(0, 0.1), "n_instances must be a positive integer"),
+    (lambda: cost.training_hours(1e20, 3.5, 312, 0.4), "n_devices must be a positive integer, got 3.5"),
+    (lambda: cost.price_run(1e9, 1e12, 0, "a100-80gb"), "n_devices must be a positive integer"),
+    (lambda: choose_strategy("llama2-7b", 0), "n_devices must be a positive integer"),
     (lambda: choose_strategy("llama2-7b", 8, headroom=1.0), r"headroom must be in \[0, 1\)"),
 ])
 def test_bad_input_is_named(call, match):

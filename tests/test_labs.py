@@ -67,6 +67,7 @@ def test_strategy_cost_lab_metrics(lab_metrics):
     verdicts = {(r["model"], r["devices"]): r["verdict"] for r in m["rule_table"]}
     assert verdicts[("gpt2-124m", "8 x a100-80gb")] == "agree"
     assert verdicts[("gpt3-1.3b", "8 x a100-80gb")] == "rule runs out of memory"
+    assert verdicts[("llama2-70b", "8 x a100-80gb")].startswith("right sharding")
     assert verdicts[("llama2-7b", "64 x a100-80gb")] == "rule over-shards"
     prices = {(r["device"], r["strategy"]): r for r in m["price_table"]}
     assert prices[("a100-80gb", "DDP")]["min devices (memory)"] == "never fits"

@@ -106,7 +106,8 @@ def test_whole_model_estimate_says_whether_it_fits():
     (lambda: mem.activation_bytes_per_layer(128, 1, 64, 4, recompute="some"), r"recompute='some' is unknown; valid modes: \['none', 'selective', 'full'\]"),
     (lambda: mem.activation_bytes_per_layer(-1, 1, 64, 4), "seq_len must be a positive integer"),
     (lambda: mem.estimate_memory("gpt-5"), "model='gpt-5' is unknown"),
-    (lambda: mem.estimate_memory("gpt2-124m", world_size=6, tp=4), "tp=4 must divide world_size=6"),
+    (lambda: mem.estimate_memory("gpt2-124m", world_size=6, tp=4), "tp=4 x pp=1 must divide world_size=6"),
+    (lambda: mem.estimate_memory("gpt2-124m", world_size=64, pp=16), "pp=16 stages need at least 16 layers"),
 ])
 def test_bad_input_is_named(call, match):
     with pytest.raises(ValueError, match=match):
@@ -120,3 +121,19 @@ def test_cli_prints_the_breakdown(capsys):
     out = capsys.readouterr().out
     assert "68.98 B parameters" in out and "recommended:" in out and "GPU-hours" in out
     assert out.count(" no\n") == 4  # no ZeRO stage alone fits 70B on 8 x 80 GB
+
+
+def test_model_shapes_from_configs_and_parameter_counts():
+    cfg = GPTConfig(n_layer=3, n_embd=96, n_head=4)
+    assert mem.model_shape(cfg).n_params == GPT.count_params(cfg)
+    gpt3 = mem.model_shape(175e9)  # GPT-3's proportions: 96 layers of width 12288
+    assert (gpt3.n_layer, gpt3.hidden, gpt3.heads) == (96, 12288, 96)
+    with pytest.raises(ValueError, match="a GPTConfig, a ModelShape or a parameter count"):
+        mem.model_shape("gpt-5")
+
+
+def test_pipeline_stages_divide_model_states_but_not_first_stage_activations():
+    flat = mem.estimate_memory("gpt3-175b", world_size=64, stage=1, tp=8, recompute="full")
+    piped = mem.estimate_memory("gpt3-175b", world_size=64, stage=1, tp=8, pp=4, recompute="full")
+    assert piped.params == pytest.approx(flat.params / 4, rel=1e-6)
+    assert piped.activations == flat.activations  # 1F1B: p micro-batches in flight on stage 0
