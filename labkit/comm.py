@@ -68,16 +68,41 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     return sent
 
 
-def _payload_bytes(args: tuple) -> int:
-    """Bytes of the first tensor (or tensor list) argument: what the caller hands the collective."""
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return a.numel() * a.element_size()
-        if isinstance(a, (list, tuple)) and a:
-            flat = [t for x in a for t in (x if isinstance(x, (list, tuple)) else [x])]
-            if all(isinstance(t, torch.Tensor) for t in flat):
-                return sum(t.numel() * t.element_size() for t in flat)
+def _tensor_bytes(a) -> int:
+    if isinstance(a, torch.Tensor):
+        return a.numel() * a.element_size()
+    if isinstance(a, (list, tuple)) and a:
+        flat = [t for x in a for t in (x if isinstance(x, (list, tuple)) else [x])]
+        if all(isinstance(t, torch.Tensor) for t in flat):
+            return sum(t.numel() * t.element_size() for t in flat)
     return 0
+
+
+def _payload_bytes(name: str, args: tuple) -> int:
+    """Bytes of the *whole* tensor a collective works on, whichever argument holds it.
+
+    All-reduce and broadcast: the tensor. All-gather: the gathered output (the first argument of
+    ``_allgather_base_``). Reduce-scatter: the full input (the second argument of
+    ``_reduce_scatter_base_``). This is the Psi of the ZeRO paper's volume accounting.
+    """
+    tensors = [a for a in args if _tensor_bytes(a)]
+    if not tensors:
+        return 0
+    if "reduce_scatter" in name and len(tensors) > 1:
+        return _tensor_bytes(tensors[1])
+    return _tensor_bytes(tensors[0])
+
+
+# Bytes each rank sends per byte of payload, for ring algorithms over N ranks: an all-reduce is a
+# reduce-scatter plus an all-gather, each moving (N-1)/N of the payload.
+RING_FACTOR = {"allreduce": 2, "allgather_base": 1, "allgather": 1, "reduce_scatter_base": 1,
+               "reduce_scatter": 1}
+
+
+def ring_volume(bytes_by_op: dict[str, int], world_size: int) -> float:
+    """Bytes one rank sends for these collectives under ring algorithms: sum of factor x (N-1)/N x payload."""
+    frac = (world_size - 1) / world_size
+    return sum(RING_FACTOR.get(op, 0) * b * frac for op, b in bytes_by_op.items())
 
 
 class CommCounter(TorchDispatchMode):
@@ -98,7 +123,7 @@ class CommCounter(TorchDispatchMode):
         if func.namespace in self.NAMESPACES:
             name = func._schema.name.split("::")[-1].rstrip("_").lstrip("_")
             self.calls[name] += 1
-            self.bytes[name] += _payload_bytes(args)
+            self.bytes[name] += _payload_bytes(name, args)
         return func(*args, **(kwargs or {}))
 
     @property

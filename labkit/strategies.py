@@ -7,6 +7,10 @@ for every strategy.
 * ``single``: one process, no wrapper; the reference every parallel run is held against.
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (PyTorch docs, "DistributedDataParallel").
 * ``dp_naive`` / ``dp_bucketed``: the hand-written data parallel of :mod:`labkit.data_parallel`.
+* ``fsdp``: FSDP2, ``torch.distributed.fsdp.fully_shard`` on every block, then on the root
+  (PyTorch docs, "FSDP2"; Zhao et al. 2023): ZeRO stage 3. Parameters, gradients and optimizer
+  states are sharded over the ranks; each block's parameters are all-gathered for its forward and
+  again for its backward (unless ``reshard_after_forward=False``), gradients reduce-scattered.
 """
 from __future__ import annotations
 
@@ -19,7 +23,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from labkit.data_parallel import BucketedDataParallel, NaiveDataParallel
 
-STRATEGIES = ("single", "ddp", "dp_naive", "dp_bucketed")
+STRATEGIES = ("single", "ddp", "dp_naive", "dp_bucketed", "fsdp")
+# The ZeRO stage each strategy's memory follows (labkit.memory.model_state_breakdown).
+ZERO_STAGE = {"single": 0, "ddp": 0, "dp_naive": 0, "dp_bucketed": 0, "fsdp": 3}
 
 
 def check_strategy(name: str, world_size: int) -> None:
@@ -34,11 +40,30 @@ def check_strategy(name: str, world_size: int) -> None:
         raise RuntimeError(f"strategy={name!r} needs a process group: start it with labkit.launch or torchrun")
 
 
+def _fully_shard(model: nn.Module, device: torch.device, reshard_after_forward: bool,
+                 cpu_offload: bool, bf16_params: bool) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    if bf16_params:  # compute in bf16 on gathered copies, keep fp32 shards, reduce in fp32
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:  # one all-gather per block: only one block is ever unsharded
+        fully_shard(block, **kwargs)
+    return fully_shard(model, **kwargs)  # the root: embeddings, final norm, tied head
+
+
 def wrap(
-    model: nn.Module, name: str, device: torch.device, bucket_cap_mb: float = 25.0
+    model: nn.Module, name: str, device: torch.device, bucket_cap_mb: float = 25.0,
+    reshard_after_forward: bool = True, cpu_offload: bool = False, bf16_params: bool = False,
 ) -> tuple[nn.Module, Callable[[], None]]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     check_strategy(name, world)
+    if name == "fsdp" and dist.is_initialized():
+        return _fully_shard(model, device, reshard_after_forward, cpu_offload, bf16_params), lambda: None
     if name == "single" or not dist.is_initialized():
         return model, lambda: None
     if name == "ddp":

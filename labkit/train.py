@@ -24,11 +24,13 @@ from tqdm import tqdm
 
 from labkit.activation_checkpointing import apply as apply_checkpointing
 from labkit.activation_checkpointing import parse_policy
-from labkit.comm import CommCounter
+from labkit.comm import CommCounter, ring_volume
 from labkit.data import check_shard, get_batch, load_corpus, train_val_split
 from labkit.launch import check_device, init_from_env
 from labkit.model import GPTConfig, build_model
-from labkit.strategies import STRATEGIES, check_strategy, wrap
+from labkit.memory import model_state_breakdown
+from labkit.memory_probe import measured_model_states
+from labkit.strategies import STRATEGIES, ZERO_STAGE, check_strategy, wrap
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -47,6 +49,9 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (autocast + loss scaling, CUDA only)
     activation_checkpointing: str = "none"  # none | full | every:k | selective
     bucket_cap_mb: float = 25.0
+    reshard_after_forward: bool = True  # fsdp: free gathered parameters after each block's forward
+    cpu_offload: bool = False  # fsdp: keep parameter, gradient and optimizer shards in CPU memory
+    fsdp_bf16: bool = False  # fsdp: MixedPrecisionPolicy with bf16 parameters, fp32 reductions
     progress: bool | None = None  # None: a bar when attached to a terminal and steps >= 50
     return_params: bool = False
 
@@ -89,7 +94,8 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
 
     model = build_model(model_cfg, seed=cfg.seed).to(device)
     apply_checkpointing(model, cfg.activation_checkpointing)  # before any wrapper, as DDP/FSDP expect
-    model, finish_backward = wrap(model, cfg.strategy, device, cfg.bucket_cap_mb)
+    model, finish_backward = wrap(model, cfg.strategy, device, cfg.bucket_cap_mb, cfg.reshard_after_forward,
+                                  cfg.cpu_offload, cfg.fsdp_bf16)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
 
@@ -102,7 +108,8 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     show = cfg.progress if cfg.progress is not None else (sys.stderr.isatty() and cfg.steps >= 50)
     bar = tqdm(total=cfg.steps, desc=f"{cfg.strategy} x{world}", disable=not show or rank != 0,
                mininterval=1.0)
-    losses, times, comm_bytes, comm_calls = [], [], [], []
+    losses, times, comm_bytes, comm_calls, comm_by_op = [], [], [], [], []
+    states = None
     for step in range(cfg.steps):
         x, y = (t.to(device) for t in get_batch(data, step, cfg.batch_size, model_cfg.block_size,
                                                   cfg.seed, rank, world))
@@ -122,11 +129,14 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
                 scaler.update()
             else:
                 opt.step()
+            if step == cfg.steps - 1:  # what the rank holds at its fullest: grads not yet freed
+                states = measured_model_states(model, opt)
             opt.zero_grad(set_to_none=True)
         _sync(device)
         times.append(time.perf_counter() - t0)
         comm_bytes.append(counter.bytes.get("allreduce", 0))
         comm_calls.append(counter.calls.get("allreduce", 0))
+        comm_by_op.append(dict(counter.bytes))
         # Every rank computed the mean loss of its own shard; their mean is the global-batch loss.
         loss = loss.detach()
         if world > 1:
@@ -138,7 +148,9 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     bar.close()
 
     mine = {"rank": rank, "step_time_s": times, "allreduce_bytes_per_step": comm_bytes,
-            "allreduce_calls_per_step": comm_calls}
+            "allreduce_calls_per_step": comm_calls, "comm_bytes_per_step": comm_by_op,
+            "comm_volume_per_step": [ring_volume(b, world) for b in comm_by_op],
+            "model_state_bytes": asdict(states) | {"total": states.total}}
     ranks = [None] * world
     if world > 1:
         dist.all_gather_object(ranks, mine)
@@ -153,8 +165,11 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
         "grad_bytes": sum(p.numel() * p.element_size() for p in params),
         "loss": losses, "step_time_s": times, "ranks": ranks,
     }
-    if cfg.return_params:
-        result["params"] = {k: v.detach().cpu().clone() for k, v in inner.state_dict().items()}
+    result["predicted_model_state_bytes"] = asdict(model_state_breakdown(
+        result["n_params"], world, ZERO_STAGE[cfg.strategy], "fp32"))
+    if cfg.return_params:  # sharded parameters are gathered (a collective: every rank calls it)
+        result["params"] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+                            for k, v in inner.state_dict().items()}
     return result
 
 
@@ -173,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(flag, default=f.default, choices=("cpu", "cuda"))
         elif f.name == "precision":
             p.add_argument(flag, default=f.default, choices=PRECISIONS)
+        elif isinstance(f.default, bool):
+            p.add_argument(flag, default=f.default, action=argparse.BooleanOptionalAction)
         else:
             p.add_argument(flag, type=type(f.default), default=f.default)
     for f in fields(GPTConfig):

@@ -130,3 +130,7 @@ def deepspeed_checkpoint_grads(policy: str) -> dict:
     except ValueError as e:
         out["error"] = str(e)
     return out
+
+
+def train_configs(configs: list, model_cfg) -> list[dict]:
+    return [train(c, model_cfg) for c in configs]

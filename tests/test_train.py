@@ -23,17 +23,20 @@ def test_single_process_metrics_json(tmp_path):
     assert m["ranks"][0]["allreduce_bytes_per_step"] == [0, 0, 0]
 
 
-def test_torchrun_ddp_matches_single_process(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_torchrun_matches_single_process(tmp_path, strategy):
     """The cluster recipe (torchrun, 2 ranks) runs the same loop and equals the in-process reference."""
-    out = tmp_path / "ddp.json"
-    env = {**ENV, "PYTHON": sys.executable, "DEVICE": "cpu", "NPROC": "2", "STRATEGY": "ddp",
+    out = tmp_path / f"{strategy}.json"
+    env = {**ENV, "PYTHON": sys.executable, "DEVICE": "cpu", "NPROC": "2", "STRATEGY": strategy,
            "STEPS": "4", "SEED": "3", "METRICS": str(out)}
     proc = subprocess.run(["bash", str(ROOT / "cluster" / "torchrun.sh"), "--block-size", "16"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads(out.read_text())
     assert m["world_size"] == 2 and len(m["ranks"]) == 2
-    assert all(r["allreduce_bytes_per_step"] == [m["grad_bytes"]] * 4 for r in m["ranks"])
+    if strategy == "ddp":
+        assert all(r["allreduce_bytes_per_step"] == [m["grad_bytes"]] * 4 for r in m["ranks"])
+    assert all(r["model_state_bytes"]["params"] == m["predicted_model_state_bytes"]["params"] for r in m["ranks"])
     from labkit.model import GPTConfig
 
     ref = train(TrainConfig(steps=4, seed=3), GPTConfig(block_size=16))
