@@ -42,6 +42,11 @@ def measured_model_states(model: nn.Module, optimizer: torch.optim.Optimizer | N
     if optimizer is not None:
         for state in optimizer.state.values():
             opt_tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        # Tensors the optimizer steps that are not the model's own (DeepSpeed's fp32 master
+        # partitions, say) are optimizer state too: the ZeRO paper counts them in K.
+        own = {_local(p).untyped_storage().data_ptr() for p in params}
+        opt_tensors += [p for g in optimizer.param_groups for p in g["params"]
+                        if _local(p).untyped_storage().data_ptr() not in own]
     return ModelStates(params=_unique_bytes(params),
                        grads=_unique_bytes(p.grad for p in params if p.grad is not None),
                        optimizer=_unique_bytes(opt_tensors))

@@ -15,6 +15,7 @@ import json
 import math
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -27,10 +28,10 @@ from labkit.activation_checkpointing import parse_policy
 from labkit.comm import CommCounter, ring_volume
 from labkit.data import check_shard, get_batch, load_corpus, train_val_split
 from labkit.launch import check_device, init_from_env
-from labkit.model import GPTConfig, build_model
+from labkit.model import GPT, GPTConfig, build_model
 from labkit.memory import model_state_breakdown
 from labkit.memory_probe import measured_model_states
-from labkit.strategies import STRATEGIES, ZERO_STAGE, check_strategy, wrap
+from labkit.strategies import DEEPSPEED, STRATEGIES, ZERO_STAGE, check_strategy, wrap
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -52,6 +53,7 @@ class TrainConfig:
     reshard_after_forward: bool = True  # fsdp: free gathered parameters after each block's forward
     cpu_offload: bool = False  # fsdp: keep parameter, gradient and optimizer shards in CPU memory
     fsdp_bf16: bool = False  # fsdp: MixedPrecisionPolicy with bf16 parameters, fp32 reductions
+    offload_optimizer: bool = False  # zero1/2/3: Adam states and step on the CPU (ZeRO-Offload)
     progress: bool | None = None  # None: a bar when attached to a terminal and steps >= 50
     return_params: bool = False
 
@@ -94,10 +96,20 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
 
     model = build_model(model_cfg, seed=cfg.seed).to(device)
     apply_checkpointing(model, cfg.activation_checkpointing)  # before any wrapper, as DDP/FSDP expect
+    # Psi, before any strategy shards the parameters in place
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     model, finish_backward = wrap(model, cfg.strategy, device, cfg.bucket_cap_mb, cfg.reshard_after_forward,
                                   cfg.cpu_offload, cfg.fsdp_bf16)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    engine = None
+    if cfg.strategy in DEEPSPEED:  # DeepSpeed takes over backward, clipping, step and zeroing
+        from labkit import zero
+
+        engine = zero.initialize(model, opt, zero.deepspeed_config(
+            zero.STAGES[cfg.strategy], cfg.batch_size // world, world, 1, cfg.grad_clip,
+            cfg.precision, cfg.offload_optimizer))
+        model, opt = engine, engine.optimizer
 
     # Mixed precision (Micikevicius et al. 2018): matmuls in 16 bits under autocast, weights and
     # optimizer in fp32. fp16's narrow range needs the loss scaled so small gradients survive;
@@ -116,22 +128,30 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
         _sync(device)
         t0 = time.perf_counter()
         with CommCounter() as counter:
-            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                loss = model(x, y)[1]  # drop the logits: only autograd needs what it saved
-            (scaler.scale(loss) if scaler else loss).backward()
-            finish_backward()
-            if scaler:
-                scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
-            if cfg.grad_clip:
-                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            if scaler:
-                scaler.step(opt)
-                scaler.update()
+            last = step == cfg.steps - 1
+            if engine is not None:
+                loss = engine(x, y)[1]
+                engine.backward(loss)
+                engine.step()
+                if last:  # DeepSpeed has reduced and freed the gradients by now
+                    states = measured_model_states(engine.module, opt)
             else:
-                opt.step()
-            if step == cfg.steps - 1:  # what the rank holds at its fullest: grads not yet freed
-                states = measured_model_states(model, opt)
-            opt.zero_grad(set_to_none=True)
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                    loss = model(x, y)[1]  # drop the logits: only autograd needs what it saved
+                (scaler.scale(loss) if scaler else loss).backward()
+                finish_backward()
+                if scaler:
+                    scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
+                if cfg.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                if scaler:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
+                if last:  # what the rank holds at its fullest: gradients not yet freed
+                    states = measured_model_states(model, opt)
+                opt.zero_grad(set_to_none=True)
         _sync(device)
         times.append(time.perf_counter() - t0)
         comm_bytes.append(counter.bytes.get("allreduce", 0))
@@ -161,15 +181,21 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
         "strategy": cfg.strategy, "world_size": world, "device": cfg.device, "steps": cfg.steps,
         "precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
         "seed": cfg.seed, "batch_size": cfg.batch_size, "model": model_cfg.to_dict(),
-        "n_params": inner.num_params(),
-        "grad_bytes": sum(p.numel() * p.element_size() for p in params),
+        "n_params": GPT.count_params(model_cfg),
+        "grad_bytes": grad_bytes,
         "loss": losses, "step_time_s": times, "ranks": ranks,
     }
     result["predicted_model_state_bytes"] = asdict(model_state_breakdown(
         result["n_params"], world, ZERO_STAGE[cfg.strategy], "fp32"))
     if cfg.return_params:  # sharded parameters are gathered (a collective: every rank calls it)
-        result["params"] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
-                            for k, v in inner.state_dict().items()}
+        gather = nullcontext()
+        if cfg.strategy == "zero3":
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters(list(inner.parameters()))
+        with gather:
+            result["params"] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+                                for k, v in inner.state_dict().items()}
     return result
 
 
