@@ -42,6 +42,7 @@ class TrainConfig:
     strategy: str = "single"
     steps: int = 20
     batch_size: int = 8  # global batch: rows per step summed over all ranks
+    grad_accum: int = 1  # micro-batches per rank per step: batch_size = micro x grad_accum x ranks
     lr: float = 3e-3
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
@@ -60,7 +61,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r} is unknown; valid strategies: {list(STRATEGIES)}")
-        for name in ("steps", "batch_size"):
+        for name in ("steps", "batch_size", "grad_accum"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -69,6 +70,9 @@ class TrainConfig:
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip!r}")
         check_device(self.device, 1)
+        if self.grad_accum > 1 and self.strategy in ("dp_naive", "dp_bucketed"):
+            raise ValueError(f"grad_accum={self.grad_accum} is not implemented for strategy={self.strategy!r} "
+                             "(the hand-written data parallel syncs every backward); use 'ddp'")
         try:
             parse_policy(self.activation_checkpointing)
         except ValueError as e:
@@ -78,6 +82,15 @@ class TrainConfig:
         if self.precision == "fp16" and self.device != "cuda":
             raise ValueError("precision='fp16' needs device='cuda' (fp16 loss scaling with GradScaler); "
                              "on CPU use precision='bf16'")
+
+
+def _sync_gradients(model, strategy: str, sync: bool):
+    """Skip the gradient all-reduce / reduce-scatter on all but the last micro-batch of a step."""
+    if strategy == "ddp" and not sync:
+        return model.no_sync()
+    if strategy == "fsdp":
+        model.set_requires_gradient_sync(sync)
+    return nullcontext()
 
 
 def _sync(device: torch.device) -> None:
@@ -91,6 +104,10 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     check_strategy(cfg.strategy, world)
     check_shard(cfg.batch_size, world)
+    if (cfg.batch_size // world) % cfg.grad_accum:
+        raise ValueError(f"grad_accum={cfg.grad_accum} must divide the {cfg.batch_size // world} rows each rank "
+                         f"gets per step (batch_size={cfg.batch_size} over {world} ranks)")
+    micro = cfg.batch_size // world // cfg.grad_accum
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     data = train_val_split(load_corpus(corpus)).train
 
@@ -107,7 +124,7 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
         from labkit import zero
 
         engine = zero.initialize(model, opt, zero.deepspeed_config(
-            zero.STAGES[cfg.strategy], cfg.batch_size // world, world, 1, cfg.grad_clip,
+            zero.STAGES[cfg.strategy], micro, world, cfg.grad_accum, cfg.grad_clip,
             cfg.precision, cfg.offload_optimizer))
         model, opt = engine, engine.optimizer
 
@@ -129,16 +146,24 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
         t0 = time.perf_counter()
         with CommCounter() as counter:
             last = step == cfg.steps - 1
-            if engine is not None:
-                loss = engine(x, y)[1]
-                engine.backward(loss)
-                engine.step()
+            loss = torch.zeros((), device=device)
+            if engine is not None:  # DeepSpeed accumulates and steps at the boundary itself
+                for i in range(cfg.grad_accum):
+                    micro_loss = engine(x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro])[1]
+                    engine.backward(micro_loss)
+                    engine.step()
+                    loss += micro_loss.detach() / cfg.grad_accum
                 if last:  # DeepSpeed has reduced and freed the gradients by now
                     states = measured_model_states(engine.module, opt)
             else:
-                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                    loss = model(x, y)[1]  # drop the logits: only autograd needs what it saved
-                (scaler.scale(loss) if scaler else loss).backward()
+                for i in range(cfg.grad_accum):
+                    with _sync_gradients(model, cfg.strategy, i == cfg.grad_accum - 1):
+                        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                            # drop the logits: only autograd needs what it saved
+                            micro_loss = model(x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro])[1]
+                        micro_loss = micro_loss / cfg.grad_accum  # the step's loss is the mean over micro-batches
+                        (scaler.scale(micro_loss) if scaler else micro_loss).backward()
+                    loss += micro_loss.detach()
                 finish_backward()
                 if scaler:
                     scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
