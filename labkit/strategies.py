@@ -9,6 +9,8 @@ for every strategy.
 * ``dp_naive`` / ``dp_bucketed``: the hand-written data parallel of :mod:`labkit.data_parallel`.
 * ``zero1`` / ``zero2`` / ``zero3``: DeepSpeed's ZeRO (:mod:`labkit.zero`); ``wrap`` leaves the
   model alone, the training loop hands it and its optimizer to ``deepspeed.initialize``.
+* ``zero1_scratch``: ZeRO-1 by hand (:mod:`labkit.zero_scratch`); the sharding lives in its
+  optimizer, so ``wrap`` leaves the model alone.
 * ``fsdp``: FSDP2, ``torch.distributed.fsdp.fully_shard`` on every block, then on the root
   (PyTorch docs, "FSDP2"; Zhao et al. 2023): ZeRO stage 3. Parameters, gradients and optimizer
   states are sharded over the ranks; each block's parameters are all-gathered for its forward and
@@ -25,10 +27,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from labkit.data_parallel import BucketedDataParallel, NaiveDataParallel
 
-STRATEGIES = ("single", "ddp", "dp_naive", "dp_bucketed", "fsdp", "zero1", "zero2", "zero3")
+STRATEGIES = ("single", "ddp", "dp_naive", "dp_bucketed", "fsdp", "zero1", "zero2", "zero3", "zero1_scratch")
 # The ZeRO stage each strategy's memory follows (labkit.memory.model_state_breakdown).
 ZERO_STAGE = {"single": 0, "ddp": 0, "dp_naive": 0, "dp_bucketed": 0, "fsdp": 3,
-              "zero1": 1, "zero2": 2, "zero3": 3}
+              "zero1": 1, "zero2": 2, "zero3": 3, "zero1_scratch": 1}
 DEEPSPEED = ("zero1", "zero2", "zero3")  # wrapped by labkit.zero after the optimizer exists
 
 
@@ -68,7 +70,7 @@ def wrap(
     check_strategy(name, world)
     if name == "fsdp" and dist.is_initialized():
         return _fully_shard(model, device, reshard_after_forward, cpu_offload, bf16_params), lambda: None
-    if name == "single" or name in DEEPSPEED or not dist.is_initialized():
+    if name in ("single", "zero1_scratch", *DEEPSPEED) or not dist.is_initialized():
         return model, lambda: None
     if name == "ddp":
         ids = [device.index] if device.type == "cuda" else None

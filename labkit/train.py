@@ -31,6 +31,7 @@ from labkit.launch import check_device, init_from_env
 from labkit.model import GPT, GPTConfig, build_model
 from labkit.memory import model_state_breakdown
 from labkit.memory_probe import measured_model_states
+from labkit.zero_scratch import ZeroOneAdamW
 from labkit.strategies import DEEPSPEED, STRATEGIES, ZERO_STAGE, check_strategy, wrap
 
 
@@ -118,7 +119,11 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     model, finish_backward = wrap(model, cfg.strategy, device, cfg.bucket_cap_mb, cfg.reshard_after_forward,
                                   cfg.cpu_offload, cfg.fsdp_bf16)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    if cfg.strategy == "zero1_scratch" and world > 1:
+        opt = ZeroOneAdamW(model, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                           grad_clip=cfg.grad_clip)
+    else:
+        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     engine = None
     if cfg.strategy in DEEPSPEED:  # DeepSpeed takes over backward, clipping, step and zeroing
         from labkit import zero
@@ -167,7 +172,7 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
                 finish_backward()
                 if scaler:
                     scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
-                if cfg.grad_clip:
+                if cfg.grad_clip and not getattr(opt, "clips_gradients", False):
                     torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
                 if scaler:
                     scaler.step(opt)

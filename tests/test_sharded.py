@@ -17,12 +17,13 @@ BASE = TrainConfig(steps=20, batch_size=8, return_params=True)
 def runs():
     ref = train(BASE, MODEL)
     cfgs = [replace(BASE, strategy="ddp"), replace(BASE, strategy="fsdp"),
-            replace(BASE, strategy="fsdp", reshard_after_forward=False)]
+            replace(BASE, strategy="fsdp", reshard_after_forward=False), replace(BASE, strategy="zero1_scratch")]
     out = launch(rank_fns.train_configs, cfgs, MODEL, world_size=2)
-    return ref, {"ddp": [o[0] for o in out], "fsdp": [o[1] for o in out], "fsdp_keep": [o[2] for o in out]}
+    names = ["ddp", "fsdp", "fsdp_keep", "zero1_scratch"]
+    return ref, {n: [o[i] for o in out] for i, n in enumerate(names)}
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp_keep"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp_keep", "zero1_scratch"])
 def test_equals_single_process_for_20_steps(runs, name):
     ref, par = runs
     r = par[name][0]
@@ -31,7 +32,7 @@ def test_equals_single_process_for_20_steps(runs, name):
     assert max((ref["params"][k] - r["params"][k]).abs().max().item() for k in ref["params"]) < 5e-5
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero1_scratch"])
 def test_model_state_bytes_per_rank_match_the_calculator(runs, name):
     _, par = runs
     for r in par[name]:
@@ -124,3 +125,16 @@ def test_bad_grad_accum_is_named():
         TrainConfig(strategy="dp_naive", grad_accum=2)
     with pytest.raises(ValueError, match="grad_accum=3 must divide the 8 rows each rank gets per step"):
         train(TrainConfig(steps=1, batch_size=8, grad_accum=3), MODEL)
+
+
+def test_hand_written_zero1_matches_deepspeed_and_moves_2psi(runs, deepspeed_runs):
+    _, par = runs
+    mine, theirs = par["zero1_scratch"][0], deepspeed_runs["zero1"]
+    assert np.abs(np.array(mine["loss"]) - np.array(theirs["loss"])).max() < 1e-5
+    assert max((mine["params"][k] - theirs["params"][k]).abs().max().item() for k in mine["params"]) < 5e-5
+    psi, ring = mine["grad_bytes"], 1 / 2
+    by_op = mine["ranks"][0]["comm_bytes_per_step"][-1]
+    assert by_op["reduce_scatter_base"] == psi and by_op["allgather_base"] == psi
+    assert mine["ranks"][0]["comm_volume_per_step"][-1] == pytest.approx(2 * psi * ring, rel=1e-4)
+    # optimizer states: this rank's half only
+    assert mine["ranks"][0]["model_state_bytes"]["optimizer"] == pytest.approx(8 * psi / 4 / 2, abs=64)
