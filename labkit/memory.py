@@ -27,6 +27,7 @@ PRECISIONS = {
     "mixed": (2, 2, 12),  # 16-bit weights and grads; fp32 master + m + v (ZeRO's K = 12)
     "fp32": (4, 4, 8),  # the weights are their own master copy; m and v in fp32
     "bf16": (2, 2, 4),  # pure bf16 training: no master copy, m and v in bf16
+    "fp32_master": (4, 4, 12),  # fp32 weights plus a separate fp32 master copy (DeepSpeed's ZeRO)
 }
 
 

@@ -31,6 +31,7 @@ from labkit.launch import check_device, init_from_env
 from labkit.model import GPT, GPTConfig, build_model
 from labkit.memory import model_state_breakdown
 from labkit.memory_probe import measured_model_states
+from labkit import zero
 from labkit.zero_scratch import ZeroOneAdamW
 from labkit.strategies import DEEPSPEED, STRATEGIES, ZERO_STAGE, check_strategy, wrap
 
@@ -126,8 +127,6 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
         opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     engine = None
     if cfg.strategy in DEEPSPEED:  # DeepSpeed takes over backward, clipping, step and zeroing
-        from labkit import zero
-
         engine = zero.initialize(model, opt, zero.deepspeed_config(
             zero.STAGES[cfg.strategy], micro, world, cfg.grad_accum, cfg.grad_clip,
             cfg.precision, cfg.offload_optimizer))
@@ -156,10 +155,10 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
                 for i in range(cfg.grad_accum):
                     micro_loss = engine(x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro])[1]
                     engine.backward(micro_loss)
+                    if last and i == 0:  # while accumulating: where ZeRO-1 and ZeRO-2 differ
+                        states = zero.model_states(engine)
                     engine.step()
                     loss += micro_loss.detach() / cfg.grad_accum
-                if last:  # DeepSpeed has reduced and freed the gradients by now
-                    states = measured_model_states(engine.module, opt)
             else:
                 for i in range(cfg.grad_accum):
                     with _sync_gradients(model, cfg.strategy, i == cfg.grad_accum - 1):
@@ -215,8 +214,10 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
         "grad_bytes": grad_bytes,
         "loss": losses, "step_time_s": times, "ranks": ranks,
     }
+    # DeepSpeed's ZeRO optimizers keep an fp32 master partition even when training in fp32
+    precision = "fp32_master" if cfg.strategy in DEEPSPEED else "fp32"
     result["predicted_model_state_bytes"] = asdict(model_state_breakdown(
-        result["n_params"], world, ZERO_STAGE[cfg.strategy], "fp32"))
+        result["n_params"], world, ZERO_STAGE[cfg.strategy], precision))
     if cfg.return_params:  # sharded parameters are gathered (a collective: every rank calls it)
         gather = nullcontext()
         if cfg.strategy == "zero3":

@@ -65,3 +65,34 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict)
             f"({type(e).__name__}: {e})") from None
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
+
+
+def model_states(engine):
+    """Per-rank parameter, gradient and optimizer-state bytes of a DeepSpeed ZeRO engine.
+
+    Call it between ``engine.backward`` and ``engine.step`` (gradients are freed by the step).
+    DeepSpeed keeps parameters partitioned in ``ds_tensor`` under stage 3, reduced gradient
+    partitions (stages 2-3; stage 1 too at an accumulation boundary) or full ``.grad`` (stage 1
+    while accumulating), and an fp32 master copy of each partition even when training in fp32.
+    Bytes are counted per storage: a partition that is a view into a reduction bucket counts the
+    bucket, which is what the rank really holds.
+    """
+    from labkit.memory import ModelStates
+    from labkit.memory_probe import _unique_bytes
+
+    opt, stage = engine.optimizer, engine.zero_optimization_stage()
+    module_params = list(engine.module.parameters())
+    params = [getattr(p, "ds_tensor", p) for p in module_params]
+    if stage == 3:
+        grads = [opt.grad_partitions_flat_buffer]
+        masters = list(opt.fp32_partitioned_groups_flat)
+    else:  # the reduced gradients of this rank's partition, per parameter group
+        grads = [g for group in opt.averaged_gradients.values() if group is not None
+                 for g in (group if isinstance(group, (list, tuple)) else [group])]
+        if getattr(opt, "grads_in_partition", None) is not None:
+            grads.append(opt.grads_in_partition)
+        grads += [p.grad for p in module_params if p.grad is not None]
+        masters = list(opt.single_partition_of_fp32_groups)
+    states = [v for s in opt.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return ModelStates(params=_unique_bytes(params), grads=_unique_bytes(grads),
+                       optimizer=_unique_bytes(masters) + _unique_bytes(states))

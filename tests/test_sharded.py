@@ -138,3 +138,15 @@ def test_hand_written_zero1_matches_deepspeed_and_moves_2psi(runs, deepspeed_run
     assert mine["ranks"][0]["comm_volume_per_step"][-1] == pytest.approx(2 * psi * ring, rel=1e-4)
     # optimizer states: this rank's half only
     assert mine["ranks"][0]["model_state_bytes"]["optimizer"] == pytest.approx(8 * psi / 4 / 2, abs=64)
+
+
+def test_deepspeed_model_states_match_the_calculator_while_accumulating():
+    """DeepSpeed keeps an fp32 master partition even in fp32 ("fp32_master": 4 + 4 + 12 bytes).
+    While accumulating, ZeRO-1 holds full gradients and ZeRO-3 a gradient partition."""
+    base = TrainConfig(steps=2, batch_size=8, grad_accum=2)
+    out = launch(rank_fns.train_configs, [replace(base, strategy=s) for s in ("zero1", "zero3")],
+                 MODEL, world_size=2, timeout=900)[0]
+    for r in out:
+        got, want = r["ranks"][0]["model_state_bytes"], r["predicted_model_state_bytes"]
+        assert got["params"] == want["params"] and got["grads"] == want["grads"], r["strategy"]
+        assert abs(got["optimizer"] / want["optimizer"] - 1) < 0.01
