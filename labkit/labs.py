@@ -53,6 +53,18 @@ PROFILES: dict[str, dict[str, dict]] = {
                     micro_batch=4, policies=["none", "every:2", "selective", "full"], repeats=7,
                     budget_model="llama2-7b", budget_devices=8, budget_gb=80.0, seed=0),
     },
+    "zero_fsdp": {
+        "cpu": dict(device="cpu", world_size=2, steps=30, batch_size=16, lr=3e-3, seed=0, n_layer=2, n_head=2,
+                    n_embd=64, block_size=64, sweep_world_sizes=[1, 2, 4], sweep_steps=3, grad_accum=2,
+                    claim_model="llama2-7b", claim_world_sizes=[4, 8, 64]),
+        "ci": dict(device="cpu", world_size=2, steps=20, batch_size=8, lr=3e-3, seed=0, n_layer=2, n_head=2,
+                   n_embd=64, block_size=32, sweep_world_sizes=[1, 2, 4], sweep_steps=2, grad_accum=2,
+                   claim_model="llama2-7b", claim_world_sizes=[4, 8, 64]),
+        # GPT-2 small at context 1024, one GPU per rank on every GPU of the node.
+        "gpu": dict(device="cuda", world_size="all", steps=100, batch_size="8 per rank", lr=6e-4, seed=0,
+                    n_layer=12, n_head=12, n_embd=768, block_size=1024, sweep_world_sizes="2..world_size",
+                    sweep_steps=5, grad_accum=2, claim_model="llama2-7b", claim_world_sizes=[4, 8, 64]),
+    },
     "strategy_cost": {
         "cpu": dict(tokens=1e12, target_days=30, mfu=0.4, run_cost=18000.0, run_hours=24.0, hours_in=14.0,
                     preemptions_per_instance_per_day=[0.05, 0.15], instances=100,
@@ -87,8 +99,9 @@ def resolve(lab: str, profile: str = "cpu", **overrides) -> dict:
             p["world_size"] = n
     if p.get("batch_size") == "8 per rank":
         p["batch_size"] = 8 * p["world_size"]
-    if p.get("ring_world_sizes") == "2..world_size":
-        p["ring_world_sizes"] = sorted({2, *range(4, p["world_size"] + 1, 4), p["world_size"]} - {1})
+    for key in ("ring_world_sizes", "sweep_world_sizes"):
+        if p.get(key) == "2..world_size":
+            p[key] = sorted({2, *range(4, p["world_size"] + 1, 4), p["world_size"]} - {1})
     p.update(overrides)
     return p
 

@@ -68,7 +68,11 @@ def _share_cores(world_size: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
 
 
-def _worker(rank, world_size, device, port, fn, args, kwargs, results, timeout_s) -> None:
+def _worker(rank, world_size, device, port, fn, args, kwargs, results, timeout_s, quiet) -> None:
+    if quiet:  # libraries' own logging (DeepSpeed's, say) stays out of the notebook
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
     try:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                           LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
@@ -104,9 +108,13 @@ def launch(
     world_size: int = 2,
     device: str = "cpu",
     timeout: float = 600.0,
+    quiet: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
-    """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results indexed by rank."""
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results indexed by rank.
+
+    ``quiet=True`` silences the ranks' stdout and stderr; errors still come back with tracebacks.
+    """
     check_device(device, world_size)
     _check_importable(fn)
     if timeout <= 0:
@@ -119,7 +127,7 @@ def launch(
     results = ctx.Queue()
     procs = [
         ctx.Process(target=_worker, daemon=True, name=f"labkit-rank{r}",
-                    args=(r, world_size, device, store.port, fn, args, kwargs, results, timeout))
+                    args=(r, world_size, device, store.port, fn, args, kwargs, results, timeout, quiet))
         for r in range(world_size)
     ]
     out: dict[int, Any] = {}

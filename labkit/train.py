@@ -230,6 +230,11 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     return result
 
 
+def train_many(configs: list[TrainConfig], model_cfg: GPTConfig | None = None) -> list[dict]:
+    """Several runs in one process group (one launch, one DeepSpeed op build), in order."""
+    return [train(c, model_cfg) for c in configs]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m labkit.train",
@@ -257,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", default=None, help="text file to train on (default: shipped Shakespeare)")
     p.add_argument("--metrics", default=None, help="write the metrics JSON here (rank 0)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    # The `deepspeed` launcher passes --local_rank; the rank is read from the environment anyway.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 

@@ -14,7 +14,7 @@ HTML = ROOT / "_build" / "html"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # page -> figures it must show (glued from the executed labs, or the lab's own plots)
 PAGES = {"book/data_parallel.html": 4, "book/labs/data_parallel.html": 3, "book/memory.html": 3,
-         "book/labs/memory.html": 3, "book/activation_checkpointing.html": 2,
+         "book/labs/memory.html": 3, "book/zero_fsdp.html": 6, "book/labs/zero_fsdp.html": 5, "book/activation_checkpointing.html": 2,
          "book/labs/activation_checkpointing.html": 2, "book/strategy_cost.html": 1, "book/labs/strategy_cost.html": 1,
          "book/intro.html": 0}
 

@@ -98,6 +98,27 @@ def test_activation_checkpointing_lab_metrics(lab_metrics):
     assert fit["full"]["n_layer"] < 5 * fit["none"]["n_layer"]  # not "10x larger models"
 
 
+def test_zero_fsdp_lab_metrics(lab_metrics):
+    m = lab_metrics["zero_fsdp"]
+    assert set(m["max_loss_dev"]) == {"ddp", "fsdp", "zero1", "zero2", "zero3", "zero1_scratch"}
+    assert all(v < 1e-5 for v in m["max_loss_dev"].values())  # every strategy, every one of 20+ steps
+    assert len(m["loss_single"]) >= 20
+    assert all(v < 5e-5 for v in m["max_param_dev"].values())
+    for s in ("ddp", "fsdp", "zero3", "zero1_scratch"):
+        assert m["mem_rel_err"][s] < 0.01, s
+    vol = m["volume_over_psi_ring"]
+    assert vol["ddp"] == pytest.approx(2, rel=1e-3) and vol["zero1_scratch"] == pytest.approx(2, rel=1e-3)
+    assert vol["fsdp"] == pytest.approx(3, rel=1e-3) and 3 <= vol["zero3"] < 3.5
+    for measured, predicted in m["sweep"].values():
+        assert abs(measured / predicted - 1) < 0.01
+    sizes = sorted(m["sweep"], key=int)
+    assert m["sweep"][sizes[0]][0] > m["sweep"][sizes[-1]][0]
+    assert m["accum_reduced_over_psi"]["zero1"] == pytest.approx(1, abs=1e-3)
+    assert m["accum_reduced_over_psi"]["zero2"] == pytest.approx(m["params"]["grad_accum"], abs=1e-3)
+    z2 = next(c for c in m["claim"] if c["world_size"] == 8 and c["stage"] == 2)
+    assert 3 < z2["states_ratio"] < 5  # "3-4x" holds for ZeRO-2 on 8 GPUs
+
+
 def test_executed_labs_have_figures_and_no_errors(lab_metrics):
     for name in lab_metrics:
         nb = json.loads((OUT_DIR / f"{name}.ipynb").read_text())
@@ -110,7 +131,7 @@ def test_executed_labs_have_figures_and_no_errors(lab_metrics):
 def test_unknown_profile_lab_and_override_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"PROFILE='huge' is unknown for lab 'data_parallel'; valid profiles: \['cpu', 'ci', 'gpu'\]"):
         run_lab("data_parallel", "huge", tmp_path)
-    with pytest.raises(ValueError, match=r"LAB='nope' does not exist; valid labs: \['activation_checkpointing', 'data_parallel'"):
+    with pytest.raises(ValueError, match=r"LAB='nope' does not exist; valid labs: \['activation_checkpointing', 'data_parallel', 'memory', 'strategy_cost', 'zero_fsdp'\]"):
         run_lab("nope", "ci", tmp_path)
     with pytest.raises(ValueError, match=r"OVERRIDES has unknown keys \['stepz'\]"):
         resolve("data_parallel", "cpu", stepz=3)

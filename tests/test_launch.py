@@ -41,6 +41,12 @@ def test_a_rank_that_raises_surfaces_its_traceback_and_nothing_is_left_behind():
     assert not _spawned_children()
 
 
+def test_quiet_ranks_still_report_errors(capfd):
+    with pytest.raises(RankError, match="deliberate failure on rank 0"):
+        launch(rank_fns.fail_on, 0, world_size=2, quiet=True, timeout=120)
+    assert "deliberate" not in capfd.readouterr().err  # nothing printed by the ranks themselves
+
+
 def test_a_rank_that_dies_without_an_exception_is_reported():
     with pytest.raises(RankError, match=r"rank 0 died with exit code 3"):
         launch(rank_fns.die_on, 0, world_size=2, timeout=120)

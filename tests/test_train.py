@@ -77,3 +77,24 @@ def test_progress_bar_on_long_runs(capsys):
     train(TrainConfig(steps=3, progress=True), None)
     err = capsys.readouterr().err
     assert "single x1" in err and "3/3" in err
+
+
+def test_deepspeed_launcher_runs_the_same_entry_point(tmp_path):
+    """`deepspeed --module labkit.train` (it passes --local_rank) trains ZeRO-2 like torchrun does."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "zero2.json"
+    launcher = Path(sys.executable).parent / "deepspeed"
+    cmd = [str(launcher), "--num_accelerators", "2", "--master_port", str(port), "--module", "labkit.train",
+           "--strategy", "zero2", "--steps", "3", "--block-size", "16", "--metrics", str(out)]
+    proc = subprocess.run(cmd, env={**ENV, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    m = json.loads(out.read_text())
+    assert m["strategy"] == "zero2" and m["world_size"] == 2
+    from labkit.model import GPTConfig
+
+    ref = train(TrainConfig(steps=3), GPTConfig(block_size=16))
+    assert max(abs(a - b) for a, b in zip(ref["loss"], m["loss"])) < 1e-5
