@@ -96,7 +96,7 @@ def _payload_bytes(name: str, args: tuple) -> int:
 # Bytes each rank sends per byte of payload, for ring algorithms over N ranks: an all-reduce is a
 # reduce-scatter plus an all-gather, each moving (N-1)/N of the payload.
 RING_FACTOR = {"allreduce": 2, "allgather_base": 1, "allgather": 1, "reduce_scatter_base": 1,
-               "reduce_scatter": 1}
+               "reduce_scatter": 1, "reduce": 1}
 
 
 def ring_volume(bytes_by_op: dict[str, int], world_size: int) -> float:

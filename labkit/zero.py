@@ -25,7 +25,10 @@ def deepspeed_config(stage: int, micro_batch: int, world_size: int, grad_accum: 
         raise ValueError(f"stage={stage!r} is unknown; valid ZeRO stages for DeepSpeed: [1, 2, 3]")
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision={precision!r} is not supported with DeepSpeed here; valid: ['fp32', 'bf16']")
-    zero: dict = {"stage": stage}
+    # DeepSpeed's default reduces gradient buckets with a full all-reduce and keeps its own slice
+    # (use_multi_rank_bucket_allreduce): 2 Psi for what ZeRO does with Psi. Reduce each slice to
+    # its owner instead, the paper's reduce-scatter.
+    zero: dict = {"stage": stage, "use_multi_rank_bucket_allreduce": False}
     if stage == 3:
         # On a small model DeepSpeed would keep every parameter gathered ("persistent") and reuse
         # gathered parameters between forward and backward; turn both off so the lab sees ZeRO-3.

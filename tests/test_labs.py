@@ -107,7 +107,8 @@ def test_zero_fsdp_lab_metrics(lab_metrics):
     for s in ("ddp", "fsdp", "zero3", "zero1_scratch"):
         assert m["mem_rel_err"][s] < 0.01, s
     vol = m["volume_over_psi_ring"]
-    assert vol["ddp"] == pytest.approx(2, rel=1e-3) and vol["zero1_scratch"] == pytest.approx(2, rel=1e-3)
+    for s in ("ddp", "zero1", "zero2", "zero1_scratch"):  # ~2 Psi for DDP and ZeRO-1/2
+        assert vol[s] == pytest.approx(2, rel=1e-3), s
     assert vol["fsdp"] == pytest.approx(3, rel=1e-3) and 3 <= vol["zero3"] < 3.5
     for measured, predicted in m["sweep"].values():
         assert abs(measured / predicted - 1) < 0.01
