@@ -72,6 +72,12 @@ class TrainConfig:
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip!r}")
         check_device(self.device, 1)
+        if self.strategy == "zero3" and self.activation_checkpointing == "selective":
+            # Measured: with ZeRO-3's patched linear and gathering hooks, PyTorch's selective
+            # recomputation drifted from the reference by 4e-4 in loss within 3 steps (and so does
+            # any later selective run in the same process); DeepSpeed has no op-level policy.
+            raise ValueError("activation_checkpointing='selective' is not supported with strategy='zero3'; "
+                             "use 'full' or 'every:k' (DeepSpeed's checkpointing), or strategy='fsdp'")
         if self.grad_accum > 1 and self.strategy in ("dp_naive", "dp_bucketed"):
             raise ValueError(f"grad_accum={self.grad_accum} is not implemented for strategy={self.strategy!r} "
                              "(the hand-written data parallel syncs every backward); use 'ddp'")
@@ -114,7 +120,9 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     data = train_val_split(load_corpus(corpus)).train
 
     model = build_model(model_cfg, seed=cfg.seed).to(device)
-    apply_checkpointing(model, cfg.activation_checkpointing)  # before any wrapper, as DDP/FSDP expect
+    ds_checkpointing = cfg.strategy in DEEPSPEED and cfg.activation_checkpointing.split(":")[0] in ("full", "every")
+    if not ds_checkpointing:  # before any wrapper, as DDP/FSDP expect
+        apply_checkpointing(model, cfg.activation_checkpointing)
     # Psi, before any strategy shards the parameters in place
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     model, finish_backward = wrap(model, cfg.strategy, device, cfg.bucket_cap_mb, cfg.reshard_after_forward,
@@ -131,6 +139,8 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
             zero.STAGES[cfg.strategy], micro, world, cfg.grad_accum, cfg.grad_clip,
             cfg.precision, cfg.offload_optimizer))
         model, opt = engine, engine.optimizer
+        if ds_checkpointing:  # DeepSpeed's own checkpointing where it has the policy
+            apply_checkpointing(engine.module, cfg.activation_checkpointing, backend="deepspeed")
 
     # Mixed precision (Micikevicius et al. 2018): matmuls in 16 bits under autocast, weights and
     # optimizer in fp32. fp16's narrow range needs the loss scaled so small gradients survive;
