@@ -157,3 +157,29 @@ def test_deepspeed_zero1_and_zero2_move_2psi(deepspeed_runs):
     for s in ("zero1", "zero2"):
         r = deepspeed_runs[s]
         assert r["ranks"][0]["comm_volume_per_step"][-1] == pytest.approx(r["grad_bytes"], rel=1e-3)  # 2 Psi (N-1)/N, N = 2
+
+
+def test_missing_or_broken_deepspeed_says_what_to_do(monkeypatch):
+    import sys
+
+    import torch
+
+    from labkit import zero
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if it were not installed
+    with pytest.raises(RuntimeError, match=r"need DeepSpeed: install the pinned requirements"):
+        zero.initialize(model, opt, {})
+    monkeypatch.undo()
+
+    import deepspeed
+
+    def fail(**kwargs):
+        raise RuntimeError("Error building extension 'deepspeed_shm_comm'")
+
+    monkeypatch.setattr(deepspeed, "init_distributed", fail)
+    with pytest.raises(RuntimeError, match="check that g\\+\\+ is installed and TORCH_EXTENSIONS_DIR is writable"):
+        zero.initialize(model, opt, {})
+    with pytest.raises(ValueError, match=r"stage=4 is unknown; valid ZeRO stages for DeepSpeed: \[1, 2, 3\]"):
+        zero.deepspeed_config(4, 1, 2)
