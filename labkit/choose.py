@@ -10,6 +10,7 @@ intra-node link. The decision is made on bytes, not on a parameter count alone.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from labkit.memory import GB, MemoryEstimate, estimate_memory, model_shape
@@ -133,3 +134,31 @@ def min_devices(model, stage: int, recompute: str = "none", device_memory_gb: fl
             return None
         n *= 2
     return None
+
+
+def price_strategies(model, tokens: float, device_names: list[str], mfu: float = 0.4,
+                     target_days: float = 30.0, stages: dict[str, int] | None = None) -> list[dict]:
+    """For each device type and ZeRO stage: the fewest devices that fit, the devices a deadline
+    needs (a multiple of 8), and the run's time and price there (:func:`labkit.cost.price_run`)."""
+    from labkit.cost import device, price_run, training_flops, training_hours
+
+    stages = stages or {"DDP": 0, "ZeRO-1": 1, "ZeRO-2 / FSDP SHARD_GRAD_OP": 2,
+                        "ZeRO-3: FSDP FULL_SHARD or DeepSpeed ZeRO-3": 3}
+    n_params = model_shape(model).n_params
+    flops = training_flops(n_params, tokens)
+    rows = []
+    for name in device_names:
+        dev = device(name)
+        gpu_hours = training_hours(flops, 1, dev.peak_bf16_tflops, mfu)
+        deadline = math.ceil(gpu_hours / (24 * target_days) / 8) * 8
+        for label, stage in stages.items():
+            need = min_devices(model, stage, device_memory_gb=dev.memory_gb)
+            row = {"device": name, "strategy": label, "min devices (memory)": need or "never fits",
+                   "devices": None, "days": None, "on-demand $M": None, "spot $M": None}
+            if need is not None:
+                n = max(need, deadline)
+                c = price_run(n_params, tokens, n, name, mfu)
+                row.update({"devices": n, "days": round(c.hours / 24, 1),
+                            "on-demand $M": round(c.cost_on_demand / 1e6, 2), "spot $M": round(c.cost_spot / 1e6, 2)})
+            rows.append(row)
+    return rows

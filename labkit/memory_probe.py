@@ -26,7 +26,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _unique_bytes(tensors) -> int:
+def unique_storage_bytes(tensors) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
@@ -47,9 +47,9 @@ def measured_model_states(model: nn.Module, optimizer: torch.optim.Optimizer | N
         own = {_local(p).untyped_storage().data_ptr() for p in params}
         opt_tensors += [p for g in optimizer.param_groups for p in g["params"]
                         if _local(p).untyped_storage().data_ptr() not in own]
-    return ModelStates(params=_unique_bytes(params),
-                       grads=_unique_bytes(p.grad for p in params if p.grad is not None),
-                       optimizer=_unique_bytes(opt_tensors))
+    return ModelStates(params=unique_storage_bytes(params),
+                       grads=unique_storage_bytes(p.grad for p in params if p.grad is not None),
+                       optimizer=unique_storage_bytes(opt_tensors))
 
 
 class SavedTensorTracker(TorchDispatchMode):

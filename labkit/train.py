@@ -151,30 +151,30 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     show = cfg.progress if cfg.progress is not None else (sys.stderr.isatty() and cfg.steps >= 50)
     bar = tqdm(total=cfg.steps, desc=f"{cfg.strategy} x{world}", disable=not show or rank != 0,
                mininterval=1.0)
-    losses, times, comm_bytes, comm_calls, comm_by_op = [], [], [], [], []
+    losses, times, comm_by_op, calls_by_op = [], [], [], []
     states = None
     for step in range(cfg.steps):
         x, y = (t.to(device) for t in get_batch(data, step, cfg.batch_size, model_cfg.block_size,
                                                   cfg.seed, rank, world))
+        micros = list(zip(x.split(micro), y.split(micro)))  # grad_accum micro-batches of this rank's rows
         _sync(device)
         t0 = time.perf_counter()
         with CommCounter() as counter:
             last = step == cfg.steps - 1
             loss = torch.zeros((), device=device)
             if engine is not None:  # DeepSpeed accumulates and steps at the boundary itself
-                for i in range(cfg.grad_accum):
-                    micro_loss = engine(x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro])[1]
+                for i, (xm, ym) in enumerate(micros):
+                    micro_loss = engine(xm, ym)[1]
                     engine.backward(micro_loss)
                     if last and i == 0:  # while accumulating: where ZeRO-1 and ZeRO-2 differ
                         states = zero.model_states(engine)
                     engine.step()
                     loss += micro_loss.detach() / cfg.grad_accum
             else:
-                for i in range(cfg.grad_accum):
+                for i, (xm, ym) in enumerate(micros):
                     with _sync_gradients(model, cfg.strategy, i == cfg.grad_accum - 1):
                         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                            # drop the logits: only autograd needs what it saved
-                            micro_loss = model(x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro])[1]
+                            micro_loss = model(xm, ym)[1]  # drop the logits: only autograd needs what it saved
                         micro_loss = micro_loss / cfg.grad_accum  # the step's loss is the mean over micro-batches
                         (scaler.scale(micro_loss) if scaler else micro_loss).backward()
                     loss += micro_loss.detach()
@@ -193,9 +193,8 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
                 opt.zero_grad(set_to_none=True)
         _sync(device)
         times.append(time.perf_counter() - t0)
-        comm_bytes.append(counter.bytes.get("allreduce", 0))
-        comm_calls.append(counter.calls.get("allreduce", 0))
         comm_by_op.append(dict(counter.bytes))
+        calls_by_op.append(dict(counter.calls))
         # Every rank computed the mean loss of its own shard; their mean is the global-batch loss.
         loss = loss.detach()
         if world > 1:
@@ -206,8 +205,10 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
         bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
     bar.close()
 
-    mine = {"rank": rank, "step_time_s": times, "allreduce_bytes_per_step": comm_bytes,
-            "allreduce_calls_per_step": comm_calls, "comm_bytes_per_step": comm_by_op,
+    mine = {"rank": rank, "step_time_s": times,
+            "allreduce_bytes_per_step": [b.get("allreduce", 0) for b in comm_by_op],
+            "allreduce_calls_per_step": [c.get("allreduce", 0) for c in calls_by_op],
+            "comm_bytes_per_step": comm_by_op, "comm_calls_per_step": calls_by_op,
             "comm_volume_per_step": [ring_volume(b, world) for b in comm_by_op],
             "model_state_bytes": asdict(states) | {"total": states.total}}
     ranks = [None] * world

@@ -81,7 +81,7 @@ def model_states(engine):
     bucket, which is what the rank really holds.
     """
     from labkit.memory import ModelStates
-    from labkit.memory_probe import _unique_bytes
+    from labkit.memory_probe import unique_storage_bytes
 
     opt, stage = engine.optimizer, engine.zero_optimization_stage()
     module_params = list(engine.module.parameters())
@@ -97,5 +97,5 @@ def model_states(engine):
         grads += [p.grad for p in module_params if p.grad is not None]
         masters = list(opt.single_partition_of_fp32_groups)
     states = [v for s in opt.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return ModelStates(params=_unique_bytes(params), grads=_unique_bytes(grads),
-                       optimizer=_unique_bytes(masters) + _unique_bytes(states))
+    return ModelStates(params=unique_storage_bytes(params), grads=unique_storage_bytes(grads),
+                       optimizer=unique_storage_bytes(masters) + unique_storage_bytes(states))

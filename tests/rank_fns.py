@@ -10,7 +10,6 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from labkit.data_parallel import BucketedDataParallel, NaiveDataParallel
-from labkit.train import TrainConfig, train
 
 
 def rank_info(tag: str) -> dict:
@@ -36,12 +35,6 @@ def die_on(bad_rank: int) -> int:
 
 def sleep_forever() -> None:
     time.sleep(3600)
-
-
-def train_strategies(strategies: list[str], cfg: TrainConfig, model_cfg) -> dict:
-    from dataclasses import replace
-
-    return {s: train(replace(cfg, strategy=s), model_cfg) for s in strategies}
 
 
 class Toy(nn.Module):
@@ -130,7 +123,3 @@ def deepspeed_checkpoint_grads(policy: str) -> dict:
     except ValueError as e:
         out["error"] = str(e)
     return out
-
-
-def train_configs(configs: list, model_cfg) -> list[dict]:
-    return [train(c, model_cfg) for c in configs]

@@ -9,7 +9,7 @@ from labkit.activation_checkpointing import apply, largest_fit, measure_step, pa
 from labkit.launch import launch
 from labkit.memory_probe import activation_bytes_per_layer_measured
 from labkit.model import GPTConfig, build_model
-from labkit.train import TrainConfig, train
+from labkit.train import TrainConfig, train, train_many
 
 CFG = GPTConfig(n_layer=4, block_size=128)
 POLICIES = ["none", "full", "every:2", "every:3", "selective"]
@@ -107,7 +107,7 @@ def test_deepspeed_strategies_use_deepspeed_checkpointing_and_train_identically(
     ref = train(TrainConfig(steps=3, batch_size=8), GPTConfig(block_size=32))
     # ZeRO-3 last: DeepSpeed's stage 3 patches torch.nn.functional.linear for the rest of the
     # process, which then upsets PyTorch's selective checkpointing in later runs (measured).
-    out = launch(rank_fns.train_configs, [cfg, replace(cfg, activation_checkpointing="selective"),
+    out = launch(train_many, [cfg, replace(cfg, activation_checkpointing="selective"),
                                           replace(cfg, strategy="zero3")],
                  GPTConfig(block_size=32), world_size=2, timeout=900)[0]
     for r in out:

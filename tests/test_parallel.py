@@ -1,4 +1,6 @@
 """Every parallel path against the single-process reference, step by step (fp32, gloo, CPU)."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -7,7 +9,7 @@ import rank_fns
 from labkit.comm import ring_bytes_per_rank, ring_check
 from labkit.launch import launch
 from labkit.model import GPTConfig
-from labkit.train import TrainConfig, train
+from labkit.train import TrainConfig, train, train_many
 
 MODEL = GPTConfig(block_size=32)
 CFG = TrainConfig(steps=8, batch_size=8, bucket_cap_mb=0.05, return_params=True)
@@ -18,7 +20,9 @@ PARAM_TOL = 5e-5  # Adam divides by sqrt(v): last-bit gradient differences grow 
 @pytest.fixture(scope="module")
 def runs():
     ref = train(CFG, MODEL)
-    par = launch(rank_fns.train_strategies, ["ddp", "dp_naive", "dp_bucketed"], CFG, MODEL, world_size=2)
+    strategies = ["ddp", "dp_naive", "dp_bucketed"]
+    out = launch(train_many, [replace(CFG, strategy=s) for s in strategies], MODEL, world_size=2)
+    par = [dict(zip(strategies, rank)) for rank in out]
     return ref, par
 
 

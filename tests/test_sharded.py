@@ -4,10 +4,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-import rank_fns
 from labkit.launch import launch
 from labkit.model import GPTConfig
-from labkit.train import TrainConfig, train
+from labkit.train import TrainConfig, train, train_many
 
 MODEL = GPTConfig(block_size=32)
 BASE = TrainConfig(steps=20, batch_size=8, return_params=True)
@@ -18,7 +17,7 @@ def runs():
     ref = train(BASE, MODEL)
     cfgs = [replace(BASE, strategy="ddp"), replace(BASE, strategy="fsdp"),
             replace(BASE, strategy="fsdp", reshard_after_forward=False), replace(BASE, strategy="zero1_scratch")]
-    out = launch(rank_fns.train_configs, cfgs, MODEL, world_size=2)
+    out = launch(train_many, cfgs, MODEL, world_size=2)
     names = ["ddp", "fsdp", "fsdp_keep", "zero1_scratch"]
     return ref, {n: [o[i] for o in out] for i, n in enumerate(names)}
 
@@ -74,7 +73,7 @@ def test_fsdp_memory_per_rank_falls_with_world_size():
 @pytest.fixture(scope="module")
 def deepspeed_runs():
     cfgs = [replace(BASE, strategy=s) for s in ("zero1", "zero2", "zero3")]
-    out = launch(rank_fns.train_configs, cfgs, MODEL, world_size=2, timeout=900)
+    out = launch(train_many, cfgs, MODEL, world_size=2, timeout=900)
     return {c.strategy: o for c, o in zip(cfgs, out[0])}
 
 
@@ -108,7 +107,7 @@ def test_gradient_accumulation_matches_and_shows_zero1_vs_zero2():
     every micro-batch (it keeps only its gradient partition), ZeRO-1 once per step."""
     base = TrainConfig(steps=4, batch_size=8, grad_accum=2)
     ref = train(TrainConfig(steps=4, batch_size=8), MODEL)
-    out = launch(rank_fns.train_configs, [replace(base, strategy=s) for s in ("ddp", "fsdp", "zero1", "zero2")],
+    out = launch(train_many, [replace(base, strategy=s) for s in ("ddp", "fsdp", "zero1", "zero2")],
                  MODEL, world_size=2, timeout=900)[0]
     runs = {r["strategy"]: r for r in out}
     for name, r in runs.items():
@@ -145,7 +144,7 @@ def test_deepspeed_model_states_match_the_calculator_while_accumulating():
     """DeepSpeed keeps an fp32 master partition even in fp32 ("fp32_master": 4 + 4 + 12 bytes).
     While accumulating, ZeRO-1 holds full gradients and ZeRO-3 a gradient partition."""
     base = TrainConfig(steps=2, batch_size=8, grad_accum=2)
-    out = launch(rank_fns.train_configs, [replace(base, strategy=s) for s in ("zero1", "zero3")],
+    out = launch(train_many, [replace(base, strategy=s) for s in ("zero1", "zero3")],
                  MODEL, world_size=2, timeout=900)[0]
     for r in out:
         got, want = r["ranks"][0]["model_state_bytes"], r["predicted_model_state_bytes"]
