@@ -10,6 +10,7 @@ cached in ``TORCH_EXTENSIONS_DIR``, which the Makefile points into ``_build/``.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -48,8 +49,10 @@ def deepspeed_config(stage: int, micro_batch: int, world_size: int, grad_accum: 
     }
 
 
-def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict):
-    """``deepspeed.initialize`` with errors that say what to do; returns the engine."""
+def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict, lr_scheduler=None):
+    """``deepspeed.initialize`` with errors that say what to do; returns the engine.
+
+    A client ``lr_scheduler`` is stepped by ``engine.step()`` and saved in the engine's checkpoints."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     try:
         import deepspeed
@@ -66,8 +69,36 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict)
             "DeepSpeed could not start its process group; on CPU it compiles a small C++ op at first "
             "use: check that g++ is installed and TORCH_EXTENSIONS_DIR is writable "
             f"({type(e).__name__}: {e})") from None
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, lr_scheduler=lr_scheduler)
     return engine
+
+
+def train_step(engine, micros: list, measure: bool = False):
+    """One optimizer step over ``micros`` (input, target) micro-batches: DeepSpeed accumulates and
+    steps at the boundary itself. Returns the mean loss and, with ``measure``, the model states held
+    after the first backward (while accumulating: where ZeRO-1 and ZeRO-2 differ)."""
+    loss, states = torch.zeros((), device=micros[0][0].device), None
+    for i, (x, y) in enumerate(micros):
+        micro_loss = engine(x, y)[1]
+        engine.backward(micro_loss)
+        if measure and i == 0:
+            states = model_states(engine)
+        engine.step()
+        loss += micro_loss.detach() / len(micros)
+    return loss, states
+
+
+def full_state_dict(module: nn.Module, zero3: bool = False) -> dict:
+    """Every parameter and buffer whole, on the CPU: DTensor shards (FSDP2) and ZeRO-3 partitions are
+    gathered, so every rank must call it."""
+    gather = contextlib.nullcontext()
+    if zero3:
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(list(module.parameters()))
+    with gather:
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+                for k, v in module.state_dict().items()}
 
 
 def model_states(engine):
@@ -92,6 +123,8 @@ def model_states(engine):
     else:  # the reduced gradients of this rank's partition, per parameter group
         grads = [g for group in opt.averaged_gradients.values() if group is not None
                  for g in (group if isinstance(group, (list, tuple)) else [group])]
+        # ZeRO-2 between micro-batches: the reduced gradients of this rank's parameters
+        grads += [g for group in getattr(opt, "all_grad_tensors", {}).values() if group is not None for g in group]
         if getattr(opt, "grads_in_partition", None) is not None:
             grads.append(opt.grads_in_partition)
         grads += [p.grad for p in module_params if p.grad is not None]
@@ -99,3 +132,42 @@ def model_states(engine):
     states = [v for s in opt.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return ModelStates(params=unique_storage_bytes(params), grads=unique_storage_bytes(grads),
                        optimizer=unique_storage_bytes(masters) + unique_storage_bytes(states))
+
+
+def predicted_model_states(param_numels: list[int], world_size: int, rank: int, stage: int,
+                           accumulating: bool = False, bytes_per_elem: int = 4):
+    """What a DeepSpeed ZeRO rank holds in fp32 training, to the byte, from the parameter sizes.
+
+    The ZeRO paper's model (``labkit.memory.model_state_breakdown`` with "fp32_master") plus the
+    places DeepSpeed departs from Psi/N. Stages 1-2 pad the flat parameter buffer to a multiple of
+    2N elements (``nccl_start_alignment_factor``), so a partition is ceil(Psi/2N)*2 elements; stage
+    3 partitions each parameter on its own, ceil(numel/N) elements apiece. And
+    stages 1-2 keep the reduced gradient of every parameter that *overlaps* the rank's partition
+    whole (``copy_grads_in_partition`` sizes its buffer by full ``numel``), so the two parameters
+    straddling the partition's edges are counted entirely. ZeRO-1 holds full gradients only
+    between micro-batches of an accumulation; at the boundary it keeps its partition like ZeRO-2.
+    """
+    from labkit.memory import ModelStates
+
+    if stage not in (1, 2, 3):
+        raise ValueError(f"stage={stage!r} is unknown; valid ZeRO stages for DeepSpeed: [1, 2, 3]")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r} must be in [0, world_size={world_size})")
+    psi = sum(param_numels)
+    align = 2 * world_size
+    part = -(-psi // align) * align // world_size  # elements per partition, padding included
+    lo, hi = rank * part, (rank + 1) * part
+    overlap, start = 0, 0
+    for n in param_numels:  # whole parameters touching [lo, hi)
+        if start < hi and start + n > lo:
+            overlap += n
+        start += n
+    if stage == 3:  # each parameter is partitioned separately, padded to N pieces
+        part = sum(-(-n // world_size) for n in param_numels)
+        params, grads = part, part
+    else:  # the flat fp16/fp32 parameter buffer every rank keeps whole, padding included
+        params = part * world_size
+        grads = psi if (stage == 1 and accumulating) else overlap
+    # fp32 master partition + Adam's two moments; Adam's step counter is a 4-byte scalar tensor
+    optimizer = 3 * part * bytes_per_elem + 4
+    return ModelStates(params=params * bytes_per_elem, grads=grads * bytes_per_elem, optimizer=optimizer)
