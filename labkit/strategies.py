@@ -62,6 +62,24 @@ def _fully_shard(model: nn.Module, device: torch.device, reshard_after_forward: 
     return fully_shard(model, **kwargs)  # the root: embeddings, final norm, tied head
 
 
+def _prime_buckets(ddp: DistributedDataParallel, device: torch.device) -> None:
+    """Let DDP settle its gradient buckets before the first real step.
+
+    DDP starts with buckets in parameter order and, after the first backward, rebuilds them in the
+    order gradients became ready. Which elements share a bucket decides where each one falls in the
+    ring all-reduce's chunks, and so the order in which more than two ranks' values are summed. A
+    run resumed from a checkpoint would take its first step with the initial buckets where the
+    uninterrupted run used rebuilt ones: on 4 ranks that step differs in the last bits. One
+    backward of zeros on a one-token batch (parameters untouched, RNG restored) rebuilds the
+    buckets up front, so every run, fresh or resumed, sums in the same order at every step.
+    """
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        out = ddp(torch.zeros(1, 1, dtype=torch.long, device=device))
+        logits = out[0] if isinstance(out, tuple) else out
+        (logits.sum() * 0).backward()
+    ddp.zero_grad(set_to_none=True)
+
+
 def wrap(
     model: nn.Module, name: str, device: torch.device, bucket_cap_mb: float = 25.0,
     reshard_after_forward: bool = True, cpu_offload: bool = False, bf16_params: bool = False,
@@ -74,7 +92,9 @@ def wrap(
         return model, lambda: None
     if name == "ddp":
         ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb), lambda: None
+        ddp = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb)
+        _prime_buckets(ddp, device)
+        return ddp, lambda: None
     cls = NaiveDataParallel if name == "dp_naive" else BucketedDataParallel
     wrapped = cls(model) if cls is NaiveDataParallel else cls(model, bucket_cap_mb=bucket_cap_mb)
     return wrapped, wrapped.finish_gradient_sync

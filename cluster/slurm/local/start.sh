@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Start a real two-node Slurm cluster on this one machine, for tests and for trying the recipes.
+#
+#   cluster/slurm/local/start.sh STATE_DIR     then: export SLURM_CONF=STATE_DIR/slurm.conf
+#   cluster/slurm/local/stop.sh STATE_DIR      stops every daemon it started
+#
+# Debian's slurm-wlm (22.05) and munge, run without systemd or cgroups: one munged, one
+# slurmctld and two slurmd (n1, n2) on 127.0.0.1, every file inside STATE_DIR. Needs root (slurmd
+# launches jobs as their user). On a real cluster none of this is needed: use cluster/slurm/*.sbatch.
+set -euo pipefail
+STATE=${1:?usage: start.sh STATE_DIR}
+for bin in munged slurmctld slurmd sinfo; do
+  command -v "$bin" >/dev/null || { echo "start.sh: $bin not found; install Debian's slurm-wlm and munge" >&2; exit 2; }
+done
+[ "$(id -u)" -eq 0 ] || { echo "start.sh: must run as root (slurmd starts jobs as their user)" >&2; exit 2; }
+mkdir -p "$STATE" && chmod 700 "$STATE"
+STATE=$(cd "$STATE" && pwd)
+mkdir -p "$STATE/ctld" "$STATE/spool/n1" "$STATE/spool/n2"
+# Ports from the state directory's name, so two clusters on one machine do not collide.
+BASE=$(( 20000 + $(printf '%s' "$STATE" | cksum | cut -d' ' -f1) % 20000 ))
+CPUS=$(nproc)
+
+dd if=/dev/urandom bs=1 count=1024 of="$STATE/munge.key" status=none
+chmod 400 "$STATE/munge.key"
+munged --force --key-file="$STATE/munge.key" --socket="$STATE/munge.socket" \
+  --pid-file="$STATE/munged.pid" --log-file="$STATE/munged.log" --seed-file="$STATE/munged.seed"
+
+cat > "$STATE/slurm.conf" <<CONF
+ClusterName=labkit
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort=$BASE
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# a requeued job may start again after cred_expire seconds (the default is 120)
+AuthInfo=socket=$STATE/munge.socket,cred_expire=10
+StateSaveLocation=$STATE/ctld
+SlurmdSpoolDir=$STATE/spool/%n
+SlurmctldPidFile=$STATE/slurmctld.pid
+SlurmdPidFile=$STATE/slurmd.%n.pid
+SlurmctldLogFile=$STATE/slurmctld.log
+SlurmdLogFile=$STATE/slurmd.%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SchedulerType=sched/backfill
+# schedule every 2 s (default 60): a requeued job restarts within seconds
+SchedulerParameters=sched_interval=2,bf_interval=2
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SlurmdParameters=config_overrides
+ReturnToService=2
+MpiDefault=none
+JobRequeue=1
+MinJobAge=600
+KillWait=10
+SlurmdTimeout=60
+NodeName=n[1-2] NodeAddr=127.0.0.1 Port=[$((BASE + 1))-$((BASE + 2))] CPUs=$CPUS Sockets=1 CoresPerSocket=$CPUS ThreadsPerCore=1 RealMemory=1000 State=UNKNOWN
+PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:2
+CONF
+export SLURM_CONF=$STATE/slurm.conf
+slurmctld -f "$SLURM_CONF"
+slurmd -f "$SLURM_CONF" -N n1
+slurmd -f "$SLURM_CONF" -N n2
+for _ in $(seq 60); do
+  if [ "$(sinfo -h -o '%T' -N 2>/dev/null | grep -c -E '^idle')" = 2 ]; then
+    echo "Slurm is up: export SLURM_CONF=$SLURM_CONF"
+    exit 0
+  fi
+  sleep 0.5
+done
+echo "start.sh: the nodes did not come up; see $STATE/*.log" >&2
+sinfo -N >&2 || true
+exit 1
