@@ -70,9 +70,63 @@ PROFILES: dict[str, dict[str, dict]] = {
                     preemptions_per_instance_per_day=[0.05, 0.15], instances=100,
                     checkpoint_minutes=[10, 30, 60]),
     },
+    "input_pipeline": {
+        # threads=1: with DataLoader workers on 2 cores, a 2-thread step fights them for the cores.
+        "cpu": dict(device="cpu", threads=1, seed=0, n_layer=2, n_head=2, n_embd=64, block_size=128,
+                    batch_size=8, steps=24, synth_load_ms=80.0, synth_compute_ms=50.0, synth_steps=16,
+                    synth_workers=[0, 1, 2, 3], io_ms=6.0, cpu_ms=4.0, io_workers=[0, 1, 2, 4],
+                    cpu_workers=[0, 1, 2], tail_io_ms=0.5, slow_every=128, slow_ms=300.0,
+                    prefetch_factors=[1, 8], setup_ms=300.0, epochs=4, epoch_batches=5, straggler_steps=12,
+                    slow_io_ms=6.0,
+                    copy_mb=0),
+        "ci": dict(device="cpu", threads=1, seed=0, n_layer=2, n_head=2, n_embd=64, block_size=128,
+                   batch_size=8, steps=10, synth_load_ms=80.0, synth_compute_ms=50.0, synth_steps=10,
+                   synth_workers=[0, 1, 2], io_ms=6.0, cpu_ms=4.0, io_workers=[0, 1, 2, 4],
+                   cpu_workers=[0, 2], tail_io_ms=0.5, slow_every=128, slow_ms=300.0,
+                   prefetch_factors=[1, 8], setup_ms=200.0, epochs=3, epoch_batches=4, straggler_steps=6,
+                   slow_io_ms=6.0,
+                   copy_mb=0),
+        # GPT-2 small at context 1024 on one GPU (two for the straggler), per-sample costs scaled to
+        # its ~100 ms step; copy_mb: a batch large enough (images, say) for pinning to matter.
+        "gpu": dict(device="cuda", threads=None, seed=0, n_layer=12, n_head=12, n_embd=768, block_size=1024,
+                    batch_size=8, steps=40, synth_load_ms=80.0, synth_compute_ms=50.0, synth_steps=16,
+                    synth_workers=[0, 1, 2, 3], io_ms=25.0, cpu_ms=15.0, io_workers=[0, 1, 2, 4, 8],
+                    cpu_workers=[0, 1, 2, 4], tail_io_ms=2.0, slow_every=128, slow_ms=1200.0,
+                    prefetch_factors=[1, 8], setup_ms=2000.0, epochs=4, epoch_batches=8, straggler_steps=20,
+                    slow_io_ms=25.0,
+                    copy_mb=256),
+    },
+    "packing": {
+        "cpu": dict(device="cpu", capacity=256, batch_size=16, megabatch=50, steps=60, warmup=5, lr=3e-3,
+                    n_layer=2, n_head=2, n_embd=64, article_n=100_000, article_min=50, article_max=512,
+                    article_batch=32, article_medians=[10, 25, 50, 80, 120, 200, 300], bench_n=100_000, seed=0),
+        "ci": dict(device="cpu", capacity=256, batch_size=8, megabatch=50, steps=20, warmup=2, lr=3e-3,
+                   n_layer=2, n_head=2, n_embd=64, article_n=20_000, article_min=50, article_max=512,
+                   article_batch=32, article_medians=[10, 25, 50, 80, 120, 200, 300], bench_n=20_000, seed=0),
+        # GPT-2 small at context 1024 on one GPU: the rows a real run would pack.
+        "gpu": dict(device="cuda", capacity=1024, batch_size=8, megabatch=50, steps=100, warmup=10, lr=6e-4,
+                    n_layer=12, n_head=12, n_embd=768, article_n=1_000_000, article_min=50, article_max=512,
+                    article_batch=32, article_medians=[10, 25, 50, 80, 120, 200, 300], bench_n=200_000, seed=0),
+    },
 }
 # Pure arithmetic: no profile changes what it computes, but every lab answers to the same names.
 PROFILES["strategy_cost"]["ci"] = PROFILES["strategy_cost"]["gpu"] = PROFILES["strategy_cost"]["cpu"]
+# Fault tolerance: a torchrun job killed and preempted on purpose, checkpoint costs, the $18,000 run.
+_SPOT = dict(run_cost=18000.0, run_hours=24.0, hours_in=14.0, instances=100,
+             preemptions_per_instance_per_day=[0.05, 0.15], checkpoint_minutes=2.0, restart_minutes=10.0,
+             notice_s=30.0, naive_numel=1 << 21, naive_trials=30)
+PROFILES["fault_tolerance"] = {
+    "cpu": dict(device="cpu", world_size=2, strategy="fsdp", steps=40, batch_size=8, lr=3e-3, seed=0, n_layer=2,
+                n_head=2, n_embd=64, block_size=64, dropout=0.1, save_every=5, async_save=True, grace_s=30, fault_seed=0,
+                bench_n_layer=6, bench_n_embd=384, bench_n_head=6, bench_repeats=5, **_SPOT),
+    "ci": dict(device="cpu", world_size=2, strategy="fsdp", steps=16, batch_size=8, lr=3e-3, seed=0, n_layer=2,
+               n_head=2, n_embd=64, block_size=32, dropout=0.1, save_every=4, async_save=True, grace_s=30, fault_seed=0,
+               bench_n_layer=4, bench_n_embd=256, bench_n_head=4, bench_repeats=5, **_SPOT),
+    # GPT-2 small at context 1024, one GPU per rank; the benchmark stages 124 M parameters and Adam from the GPU.
+    "gpu": dict(device="cuda", world_size="all", strategy="fsdp", steps=200, batch_size="8 per rank", lr=6e-4, seed=0,
+                n_layer=12, n_head=12, n_embd=768, block_size=1024, dropout=0.1, save_every=20, async_save=True,
+                grace_s=30, fault_seed=0, bench_n_layer=12, bench_n_embd=768, bench_n_head=12, bench_repeats=3, **_SPOT),
+}
 
 
 def _gpu_count() -> int:

@@ -55,13 +55,15 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, T, C) -> (B, heads, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # is_causal=True lets SDPA pick its fused causal kernels; a packed batch brings its own mask.
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+            dropout_p=self.dropout if self.training else 0.0,
         )
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
@@ -87,8 +89,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attn_mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -129,15 +131,32 @@ class GPT(nn.Module):
         return cfg.vocab_size * C + cfg.block_size * C + cfg.n_layer * block + ln
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits and, with ``targets``, the mean cross-entropy over targets that are not -100.
+
+        Packed rows (``labkit.collate``) pass ``position_ids`` (restarting per sequence) and
+        ``doc_ids`` (which sequence each token belongs to): a token then attends only to earlier
+        tokens with its own doc id, a block-diagonal causal mask (Krell et al. 2021).
+        """
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
+        for name, t in (("position_ids", position_ids), ("doc_ids", doc_ids)):
+            if t is not None and t.shape != idx.shape:
+                raise ValueError(f"{name} must have the shape of idx {tuple(idx.shape)}, got {tuple(t.shape)}")
+        pos = torch.arange(T, device=idx.device) if position_ids is None else position_ids
+        mask = None
+        if doc_ids is not None:
+            causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
+            mask = ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]  # (B, 1, T, T)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if mask is None else block(x, mask)
         logits = self.head(self.ln_f(x))
         loss = None
         if targets is not None:

@@ -16,6 +16,8 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 PAGES = {"book/data_parallel.html": 4, "book/labs/data_parallel.html": 3, "book/memory.html": 3,
          "book/labs/memory.html": 3, "book/zero_fsdp.html": 6, "book/labs/zero_fsdp.html": 5, "book/activation_checkpointing.html": 2,
          "book/labs/activation_checkpointing.html": 2, "book/strategy_cost.html": 1, "book/labs/strategy_cost.html": 1,
+         "book/input_pipeline.html": 5, "book/labs/input_pipeline.html": 5,
+         "book/packing.html": 7, "book/labs/packing.html": 7,
          "book/intro.html": 0}
 
 
