@@ -117,6 +117,13 @@ def test_early_signal_checkpoints_requeues_and_resumes_bit_exact(slurm, uninterr
     assert m["loss"] == json.loads((uninterrupted / "ckpt" / "metrics.json").read_text())["loss"]
 
 
+def test_every_sbatch_directive_is_accepted_by_slurm(slurm, tmp_path):
+    for script in (ROOT / "cluster").rglob("*.sbatch"):
+        out = subprocess.run(["sbatch", "--test-only", "--nodes=2", str(script)], env=slurm, cwd=tmp_path,
+                             capture_output=True, text=True)
+        assert out.returncode == 0 and "to start at" in out.stderr, (script, out.stderr)
+
+
 def test_batch_script_stops_early_naming_what_is_missing(slurm, tmp_path):
     env = {k: v for k, v in slurm.items() if k != "CKPT_DIR"}
     out = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True)
