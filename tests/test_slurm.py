@@ -141,11 +141,13 @@ def test_batch_script_stops_early_naming_what_is_missing(slurm, tmp_path):
 
 
 def test_launch_slurm_runs_a_lab_function_on_two_nodes_and_gathers_results(slurm, monkeypatch, tmp_path):
-    from labkit.slurm_launch import launch_slurm
 
     monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
     cfg, model = TrainConfig(strategy="ddp", steps=5, batch_size=8), GPTConfig(block_size=BLOCK)
-    out = launch_slurm(train, cfg, model, nodes=2, tasks_per_node=2, folder=tmp_path, timeout=300)
+    from labkit.launch import launch
+
+    # the notebook's own launcher, pointed at the cluster
+    out = launch(train, cfg, model, world_size=4, timeout=300, slurm=dict(nodes=2, folder=tmp_path))
     assert len(out) == 4 and [r["world_size"] for r in out] == [4] * 4
     ref = train(TrainConfig(steps=5, batch_size=8), model)
     assert np.abs(np.array(out[0]["loss"]) - np.array(ref["loss"])).max() < 1e-5
@@ -154,6 +156,10 @@ def test_launch_slurm_runs_a_lab_function_on_two_nodes_and_gathers_results(slurm
 def test_launch_slurm_rejects_bad_input():
     from labkit.slurm_launch import launch_slurm
 
+    from labkit.launch import launch
+
+    with pytest.raises(ValueError, match=r"world_size=3 must equal slurm nodes x tasks_per_node \(2 x 1\)"):
+        launch(print, world_size=3, slurm=dict(nodes=2))
     with pytest.raises(ValueError, match="nodes must be a positive integer, got 0"):
         launch_slurm(print, nodes=0)
     with pytest.raises(ValueError, match=r"device='tpu' is not supported; valid devices: \['cpu', 'cuda'\]"):
