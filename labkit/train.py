@@ -7,6 +7,9 @@ From a shell, the same loop::
     torchrun --nproc-per-node 2 -m labkit.train --strategy ddp --steps 20 --seed 0 --metrics out.json
 
 The metrics JSON holds the global-batch loss per step, step times, and per-rank figures.
+With ``--checkpoint-dir`` the run saves there (every ``--save-every`` steps, at the end, and when
+SIGTERM or SIGUSR1 arrives: then it exits with code 75, "requeue me"), and a restarted run resumes
+from the newest good checkpoint bit for bit (:mod:`labkit.fault_tolerance`, :mod:`labkit.resume`).
 """
 from __future__ import annotations
 
@@ -29,6 +32,9 @@ from labkit.comm import CommCounter, ring_volume
 from labkit.data import check_shard, get_batch, load_corpus, train_val_split
 from labkit.launch import check_device, init_from_env
 from labkit.model import GPT, GPTConfig, build_model
+from labkit.preemption import REQUEUE_EXIT_CODE
+from labkit.resume import CLI_HELP, Resumable, check_checkpointing, seed_rngs
+from labkit.schedule import LR_SCHEDULES, lr_scheduler
 from labkit.memory import model_state_breakdown
 from labkit.memory_probe import measured_model_states
 from labkit import zero
@@ -57,16 +63,28 @@ class TrainConfig:
     cpu_offload: bool = False  # fsdp: keep parameter, gradient and optimizer shards in CPU memory
     fsdp_bf16: bool = False  # fsdp: MixedPrecisionPolicy with bf16 parameters, fp32 reductions
     offload_optimizer: bool = False  # zero1/2/3: Adam states and step on the CPU (ZeRO-Offload)
+    lr_schedule: str = "constant"  # constant | cosine (to lr/10 at the last step), after warmup_steps
+    warmup_steps: int = 0  # linear warmup from lr/warmup_steps
+    checkpoint_dir: str | None = None  # save here and resume from here (labkit.fault_tolerance)
+    save_every: int = 0  # steps between checkpoints; 0: only at the end and on preemption
+    keep_last: int = 2  # checkpoints kept (the newest always)
+    async_save: bool = False  # block only for the copy to host memory; write in the background
+    resume: bool = True  # start from the newest good checkpoint in checkpoint_dir
+    grace_s: float = 30.0  # SIGTERM/SIGUSR1 to SIGKILL: finish the step, save if it fits, exit 75
+    step_log: str | None = None  # append one JSON line per step, checkpoint and restore (rank 0)
     progress: bool | None = None  # None: a bar when attached to a terminal and steps >= 50
     return_params: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r} is unknown; valid strategies: {list(STRATEGIES)}")
-        for name in ("steps", "batch_size", "grad_accum"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("steps", "batch_size", "grad_accum", "keep_last", "warmup_steps", "save_every"):
+            v, low = getattr(self, name), 0 if name in ("warmup_steps", "save_every") else 1
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"{name} must be a {'positive' if low else 'non-negative'} integer, got {v!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule={self.lr_schedule!r} is unknown; valid schedules: {list(LR_SCHEDULES)}")
+        check_checkpointing(self)
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
         if self.grad_clip < 0:
@@ -119,6 +137,7 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     data = train_val_split(load_corpus(corpus)).train
 
+    seed_rngs(cfg.seed, rank)  # dropout's masks; a resume restores the states the checkpoint holds
     model = build_model(model_cfg, seed=cfg.seed).to(device)
     ds_checkpointing = cfg.strategy in DEEPSPEED and cfg.activation_checkpointing.split(":")[0] in ("full", "every")
     if not ds_checkpointing:  # before any wrapper, as DDP/FSDP expect
@@ -133,11 +152,12 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
                            grad_clip=cfg.grad_clip)
     else:
         opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    sched = lr_scheduler(opt, cfg.lr_schedule, cfg.warmup_steps, cfg.steps)
     engine = None
-    if cfg.strategy in DEEPSPEED:  # DeepSpeed takes over backward, clipping, step and zeroing
+    if cfg.strategy in DEEPSPEED:  # DeepSpeed takes over backward, clipping, step, zeroing and the schedule
         engine = zero.initialize(model, opt, zero.deepspeed_config(
             zero.STAGES[cfg.strategy], micro, world, cfg.grad_accum, cfg.grad_clip,
-            cfg.precision, cfg.offload_optimizer))
+            cfg.precision, cfg.offload_optimizer), lr_scheduler=sched)
         model, opt = engine, engine.optimizer
         if ds_checkpointing:  # DeepSpeed's own checkpointing where it has the policy
             apply_checkpointing(engine.module, cfg.activation_checkpointing, backend="deepspeed")
@@ -148,69 +168,77 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
     scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
 
+    meta = {"strategy": cfg.strategy, "world_size": world, "seed": cfg.seed, "batch_size": cfg.batch_size,
+            "model": model_cfg.to_dict()}
+    ft = Resumable(cfg, meta, model, opt, sched, engine, scaler)
+    start, losses = ft.start()
     show = cfg.progress if cfg.progress is not None else (sys.stderr.isatty() and cfg.steps >= 50)
-    bar = tqdm(total=cfg.steps, desc=f"{cfg.strategy} x{world}", disable=not show or rank != 0,
+    bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.strategy} x{world}", disable=not show or rank != 0,
                mininterval=1.0)
-    losses, times, comm_by_op, calls_by_op = [], [], [], []
+    times, comm_by_op, calls_by_op = [], [], []
     states = None
-    for step in range(cfg.steps):
-        x, y = (t.to(device) for t in get_batch(data, step, cfg.batch_size, model_cfg.block_size,
-                                                  cfg.seed, rank, world))
-        micros = list(zip(x.split(micro), y.split(micro)))  # grad_accum micro-batches of this rank's rows
-        _sync(device)
-        t0 = time.perf_counter()
-        with CommCounter() as counter:
-            last = step == cfg.steps - 1
-            loss = torch.zeros((), device=device)
-            if engine is not None:  # DeepSpeed accumulates and steps at the boundary itself
-                for i, (xm, ym) in enumerate(micros):
-                    micro_loss = engine(xm, ym)[1]
-                    engine.backward(micro_loss)
-                    if last and i == 0:  # while accumulating: where ZeRO-1 and ZeRO-2 differ
-                        states = zero.model_states(engine)
-                    engine.step()
-                    loss += micro_loss.detach() / cfg.grad_accum
-            else:
-                for i, (xm, ym) in enumerate(micros):
-                    with _sync_gradients(model, cfg.strategy, i == cfg.grad_accum - 1):
-                        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                            micro_loss = model(xm, ym)[1]  # drop the logits: only autograd needs what it saved
-                        micro_loss = micro_loss / cfg.grad_accum  # the step's loss is the mean over micro-batches
-                        (scaler.scale(micro_loss) if scaler else micro_loss).backward()
-                    loss += micro_loss.detach()
-                finish_backward()
-                if scaler:
-                    scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
-                if cfg.grad_clip and not getattr(opt, "clips_gradients", False):
-                    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-                if scaler:
-                    scaler.step(opt)
-                    scaler.update()
+    try:
+        for step in range(start, cfg.steps):
+            x, y = (t.to(device) for t in get_batch(data, step, cfg.batch_size, model_cfg.block_size,
+                                                      cfg.seed, rank, world))
+            micros = list(zip(x.split(micro), y.split(micro)))  # grad_accum micro-batches of this rank's rows
+            _sync(device)
+            t0 = time.perf_counter()
+            with CommCounter() as counter:
+                last = step == cfg.steps - 1
+                if engine is not None:  # DeepSpeed accumulates and steps at the boundary itself
+                    loss, measured = zero.train_step(engine, micros, measure=last)
+                    states = measured or states
                 else:
-                    opt.step()
-                if last:  # what the rank holds at its fullest: gradients not yet freed
-                    states = measured_model_states(model, opt)
-                opt.zero_grad(set_to_none=True)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-        comm_by_op.append(dict(counter.bytes))
-        calls_by_op.append(dict(counter.calls))
-        # Every rank computed the mean loss of its own shard; their mean is the global-batch loss.
-        loss = loss.detach()
-        if world > 1:
-            dist.all_reduce(loss)
-            loss /= world
-        losses.append(loss.item())
-        bar.update()
-        bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+                    loss = torch.zeros((), device=device)
+                    for i, (xm, ym) in enumerate(micros):
+                        with _sync_gradients(model, cfg.strategy, i == cfg.grad_accum - 1):
+                            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                                micro_loss = model(xm, ym)[1]  # drop the logits: only autograd needs what it saved
+                            micro_loss = micro_loss / cfg.grad_accum  # the step's loss is the mean over micro-batches
+                            (scaler.scale(micro_loss) if scaler else micro_loss).backward()
+                        loss += micro_loss.detach()
+                    finish_backward()
+                    if scaler:
+                        scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
+                    if cfg.grad_clip and not getattr(opt, "clips_gradients", False):
+                        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                    if scaler:
+                        scaler.step(opt)
+                        scaler.update()
+                    else:
+                        opt.step()
+                    if sched is not None:
+                        sched.step()
+                    if last:  # what the rank holds at its fullest: gradients not yet freed
+                        states = measured_model_states(model, opt)
+                    opt.zero_grad(set_to_none=True)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            comm_by_op.append(dict(counter.bytes))
+            calls_by_op.append(dict(counter.calls))
+            # Every rank computed the mean loss of its own shard; their mean is the global-batch loss.
+            loss = loss.detach()
+            if world > 1:
+                dist.all_reduce(loss)
+                loss /= world
+            losses.append(loss.item())
+            bar.update()
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+            if ft.end_of_step(step + 1, losses):  # preempted: saved (if there was time); stop here
+                break
+    except BaseException:
+        ft.abort()  # SIGTERM must stop a failed rank again, or torchrun waits out its grace period
+        raise
     bar.close()
+    faults = ft.finish()
 
     mine = {"rank": rank, "step_time_s": times,
             "allreduce_bytes_per_step": [b.get("allreduce", 0) for b in comm_by_op],
             "allreduce_calls_per_step": [c.get("allreduce", 0) for c in calls_by_op],
             "comm_bytes_per_step": comm_by_op, "comm_calls_per_step": calls_by_op,
             "comm_volume_per_step": [ring_volume(b, world) for b in comm_by_op],
-            "model_state_bytes": asdict(states) | {"total": states.total}}
+            "model_state_bytes": asdict(states) | {"total": states.total} if states else None}
     ranks = [None] * world
     if world > 1:
         dist.all_gather_object(ranks, mine)
@@ -223,21 +251,14 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
         "seed": cfg.seed, "batch_size": cfg.batch_size, "model": model_cfg.to_dict(),
         "n_params": GPT.count_params(model_cfg),
         "grad_bytes": grad_bytes,
-        "loss": losses, "step_time_s": times, "ranks": ranks,
+        "loss": losses, "step_time_s": times, "ranks": ranks, "start_step": start, **faults,
     }
     # DeepSpeed's ZeRO optimizers keep an fp32 master partition even when training in fp32
     precision = "fp32_master" if cfg.strategy in DEEPSPEED else "fp32"
     result["predicted_model_state_bytes"] = asdict(model_state_breakdown(
         result["n_params"], world, ZERO_STAGE[cfg.strategy], precision))
     if cfg.return_params:  # sharded parameters are gathered (a collective: every rank calls it)
-        gather = nullcontext()
-        if cfg.strategy == "zero3":
-            import deepspeed
-
-            gather = deepspeed.zero.GatheredParameters(list(inner.parameters()))
-        with gather:
-            result["params"] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
-                                for k, v in inner.state_dict().items()}
+        result["params"] = zero.full_state_dict(inner, zero3=cfg.strategy == "zero3")
     return result
 
 
@@ -251,20 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m labkit.train",
         description="Train the lab GPT with a parallel strategy; run under torchrun for several ranks.",
     )
+    choices = {"strategy": STRATEGIES, "device": ("cpu", "cuda"), "precision": PRECISIONS, "lr_schedule": LR_SCHEDULES}
     for f in fields(TrainConfig):
         if f.name in ("progress", "return_params"):
             continue
         flag = "--" + f.name.replace("_", "-")
-        if f.name == "strategy":
-            p.add_argument(flag, default=f.default, choices=STRATEGIES)
-        elif f.name == "device":
-            p.add_argument(flag, default=f.default, choices=("cpu", "cuda"))
-        elif f.name == "precision":
-            p.add_argument(flag, default=f.default, choices=PRECISIONS)
-        elif isinstance(f.default, bool):
-            p.add_argument(flag, default=f.default, action=argparse.BooleanOptionalAction)
-        else:
-            p.add_argument(flag, type=type(f.default), default=f.default)
+        kind = ({"choices": choices[f.name]} if f.name in choices else {"action": argparse.BooleanOptionalAction}
+                if isinstance(f.default, bool) else {"type": str if f.default is None else type(f.default)})
+        p.add_argument(flag, default=f.default, help=CLI_HELP.get(f.name), **kind)
     for f in fields(GPTConfig):
         kind = ({"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool)
                 else {"type": type(f.default)})
@@ -292,15 +307,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    preempted = result["preempted"] is not None
     if rank == 0:
-        print(f"{tc.strategy} on {world} rank(s): loss {result['loss'][0]:.4f} -> {result['loss'][-1]:.4f} "
-              f"in {sum(result['step_time_s']):.2f} s")
+        print(f"{tc.strategy} on {world} rank(s): steps {result['start_step']}..{len(result['loss'])}, loss "
+              f"{result['loss'][0]:.4f} -> {result['loss'][-1]:.4f} in {sum(result['step_time_s']):.2f} s"
+              + (f"; preempted by {result['preempted']['signal']}, exiting {REQUEUE_EXIT_CODE} to be requeued"
+                 if preempted else ""))
         if args["metrics"]:
             out = Path(args["metrics"])
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps({"config": asdict(tc), **result}, indent=1))
             print(f"metrics written to {out}")
-    return 0
+    return REQUEUE_EXIT_CODE if preempted else 0
 
 
 if __name__ == "__main__":

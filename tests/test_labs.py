@@ -266,3 +266,34 @@ def test_packing_lab_metrics(lab_metrics):
     assert b["trl bfd, one batch"]["rows"] == b["labkit bfd"]["rows"]  # the same algorithm
     assert b["trl bfd"]["rows"] > b["labkit bfd"]["rows"] < b["next-fit"]["rows"]
     assert b["labkit bfd"]["over_bound"] < 0.0005
+
+
+def test_fault_tolerance_lab_metrics(lab_metrics):
+    m = lab_metrics["fault_tolerance"]
+    P = m["params"]
+    assert m["profile"] == "ci" and P["world_size"] == 2 and P["strategy"] == "fsdp"
+    # killed and preempted under torchrun, the run ends bit-identical to the uninterrupted one
+    assert m["bit_exact"] and m["max_param_diff"] == 0.0 and m["restored_identical"]
+    assert m["final_step"] == P["steps"] and m["loss_resumed"] == m["loss_uninterrupted"]
+    assert [f["signal"] for f in m["faults"]] == ["SIGKILL", "SIGTERM"]
+    kill, term = m["recovery"]
+    # SIGKILL: torchrun restarted the group from the last published checkpoint (an async one may be in flight)
+    assert kill["resumed_from"] % P["save_every"] == 0 and 0 <= kill["steps_redone"] < 2 * P["save_every"]
+    # SIGTERM: the step finished, saved within the grace, exit 75, requeued: nothing redone
+    assert term["steps_redone"] == 0 and term["resumed_from"] == term["last_done"]
+    assert len(m["returncodes"]) == 2 and m["returncodes"][0] != 0 and m["returncodes"][-1] == 0
+    assert m["restarts"] == [0, 1] and all(r["restore_s"] > 0 for r in m["recovery"])
+    # checkpoint costs: async blocks less than a sync save; XXH3 outruns SHA-256
+    b = m["bench"]
+    assert b["async"]["blocking_s"] < b["sync"]["total_s"] and b["sync"]["bytes"] > 1e7
+    assert m["hash_gbps"]["xxh3_64"] > m["hash_gbps"]["sha256"] > 0
+    # the two shortcuts: torch.save killed mid-write, and a flipped bit that dcp.load does not notice
+    assert m["naive_torn"] >= P["naive_trials"] // 2
+    assert m["dcp_silently_changed"] >= 1 and any("checksum mismatch" in p for p in m["verify_problems"])
+    # the $18,000 run: Young's interval sqrt(2CM) for C = 2 min, M = 24 / (100 * 0.15) h
+    rows = {(r["preemptions / instance / day"], r["checkpoint"]): r for r in m["spot_table"]}
+    lo, hi = P["preemptions_per_instance_per_day"]
+    assert rows[(hi, "sync")]["Young interval (min)"] == pytest.approx(19.6, abs=0.1)
+    assert rows[(hi, "never")]["$ lost at 14 h (mean)"] > 30 * rows[(hi, "sync")]["$ lost at 14 h (mean)"]
+    assert rows[(hi, "async")]["expected $"] <= rows[(hi, "sync")]["expected $"] < rows[(hi, "never")]["expected $"]
+    assert rows[(lo, "sync")]["Young interval (min)"] > rows[(hi, "sync")]["Young interval (min)"]

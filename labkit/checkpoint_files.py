@@ -1,0 +1,162 @@
+"""The files of a labkit checkpoint: how a state is laid out, checksummed, written durably, read safely.
+
+A state (nested dicts, lists and tuples) is split into its tensors, which go through
+``torch.distributed.checkpoint`` (DCP) under path keys such as ``model/blocks.0.attn.qkv.weight``,
+and a skeleton of plain values with a placeholder where each tensor was, saved with ``torch.save``
+and read back with ``torch.load(weights_only=True)``. DCP's own ``.metadata`` is a pickle that DCP
+reads with ``pickle.load``; here it is read through an allow-list of DCP's metadata classes, so a
+planted pickle cannot run code. Checksums are XXH3 (xxHash, 64 bit) by default, a non-cryptographic
+hash that reads faster than a disk writes; CRC-32 and SHA-256 are there to compare.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import xxhash
+
+# DCP warns on every save and load without a process group; one process is a supported case here.
+# (A module-level filter: warnings.catch_warnings is not thread-safe, and async saves run in a thread.)
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
+
+HASHES = ("xxh3_64", "crc32", "sha256")  # the lab measures the throughput of each
+TENSOR = "__dcp_tensor__"  # placeholder of a tensor in the plain-value skeleton
+PLAIN = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+def describe(err: BaseException) -> str:
+    """One line per failure; DCP's CheckpointException carries every rank's exception and traceback."""
+    if isinstance(err, dcp.CheckpointException):
+        return "; ".join(f"{type(e).__name__}: {e}" for _, (e, _) in sorted(err.failures.items()))
+    return f"{type(err).__name__}: {err}"
+
+
+def file_digest(path: str | os.PathLike, algo: str = "xxh3_64", chunk: int = 8 << 20) -> str:
+    """Checksum of a file, read in chunks: ``xxh3_64`` (default), ``crc32`` or ``sha256``."""
+    if algo not in HASHES:
+        raise ValueError(f"hash={algo!r} is unknown; valid hashes: {list(HASHES)}")
+    h = xxhash.xxh3_64() if algo == "xxh3_64" else hashlib.sha256() if algo == "sha256" else None
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            if h is None:
+                crc = zlib.crc32(block, crc)
+            else:
+                h.update(block)
+    return f"{crc:08x}" if h is None else h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` pickle with only DCP's own metadata classes allowed (no code execution)."""
+
+    _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                ("collections", "OrderedDict"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+    _DCP_MD = ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+               "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._ALLOWED or (module == "torch.distributed.checkpoint.metadata"
+                                               and name in self._DCP_MD):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refused to load {module}.{name} from a checkpoint's DCP metadata")
+
+
+def read_metadata(path: Path):
+    with open(path / ".metadata", "rb") as f:
+        md = MetadataUnpickler(f).load()
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    if not isinstance(md, Metadata) or not all(isinstance(v, TensorStorageMetadata)
+                                               for v in md.state_dict_metadata.values()):
+        raise pickle.UnpicklingError("DCP metadata holds non-tensor entries, which this format never writes")
+    return md
+
+
+class SafeReader(dcp.FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        md = read_metadata(Path(self.path))
+        md.storage_meta = md.storage_meta or StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+def split(obj: Any, path: tuple, tensors: dict) -> Any:
+    """The plain-value skeleton of ``obj``; its tensors go to ``tensors`` under a path key."""
+    if isinstance(obj, torch.Tensor):
+        key = "/".join(map(str, path))
+        if key in tensors:
+            raise ValueError(f"state has two tensors at the same key path {key!r}")
+        tensors[key] = obj
+        return {TENSOR: key}
+    if isinstance(obj, dict):
+        return {k: split(v, (*path, k), tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(split(v, (*path, i), tensors) for i, v in enumerate(obj))
+    if not isinstance(obj, PLAIN):
+        raise TypeError(f"state[{'/'.join(map(str, path))!r}] is a {type(obj).__name__}: a checkpoint holds "
+                        "tensors, dicts, lists, tuples and plain values (None, bool, int, float, str, bytes)")
+    return obj
+
+
+def fill(skel: Any, tensors: dict) -> Any:
+    if isinstance(skel, dict):
+        if set(skel) == {TENSOR}:
+            return tensors.get(skel[TENSOR])
+        return {k: fill(v, tensors) for k, v in skel.items()}
+    if isinstance(skel, (list, tuple)):
+        return type(skel)(fill(v, tensors) for v in skel)
+    return skel
+
+
+def tensor_keys(skel: Any) -> set[str]:
+    if isinstance(skel, dict):
+        if set(skel) == {TENSOR}:
+            return {skel[TENSOR]}
+        return set().union(*(tensor_keys(v) for v in skel.values())) if skel else set()
+    if isinstance(skel, (list, tuple)):
+        return set().union(*(tensor_keys(v) for v in skel)) if skel else set()
+    return set()
+
+
+def deepspeed_safe_globals() -> list:
+    """Plain-data classes DeepSpeed's ZeRO checkpoints pickle (found by loading them weights-only)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def scan_weights_only(paths: list[Path], safe_globals: list) -> None:
+    """Raise unless every file unpickles with torch's weights-only unpickler (DeepSpeed itself loads
+    them with ``weights_only=False``). ``mmap`` leaves the tensor data on disk: only the pickles run."""
+    with torch.serialization.safe_globals(safe_globals):
+        for p in paths:
+            torch.load(p, weights_only=True, mmap=True, map_location="cpu")

@@ -1,0 +1,53 @@
+"""Rank functions of the fault-tolerance tests (spawned ranks import them from this module)."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import zlib
+from pathlib import Path
+
+import torch.distributed as dist
+
+from labkit.checkpoint_files import file_digest
+from labkit.fault_tolerance import Checkpointer
+from labkit.model import GPTConfig
+from labkit.train import TrainConfig, train
+
+
+class Payload:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def resign(ckpt_dir: Path, step: int) -> None:
+    """Rewrite a manifest so it matches the files as they are now (what an attacker could do)."""
+    ckpt = Checkpointer.__new__(Checkpointer)  # only the path helpers: no process group involved
+    ckpt.dir = Path(ckpt_dir)
+    path = ckpt.dir / Checkpointer.name(step)
+    m = ckpt.manifest(step)
+    for f in m["files"]:
+        m["files"][f] = [(path / f).stat().st_size, file_digest(path / f, m["hash"])]
+    body = json.dumps(m, sort_keys=True)
+    (path / "manifest.json").write_bytes(f"{zlib.crc32(body.encode()):08x}\n{body}".encode())
+
+
+def deepspeed_resume(strategy: str, ckpt_dir: str, marker: str) -> dict:
+    """DeepSpeed behind the same Checkpointer: save at steps 2 and 4, plant a pickle in step 4's
+    optimizer file, resume (step 4 refused, step 2 used) and compare with an uninterrupted run."""
+    model = GPTConfig(block_size=16, n_layer=1)
+    base = dict(strategy=strategy, steps=4, lr_schedule="cosine", warmup_steps=1, return_params=True)
+    ref = train(TrainConfig(**base), model)
+    train(TrainConfig(**base, checkpoint_dir=ckpt_dir, save_every=2), model)
+    if dist.get_rank() == 0:
+        victim = next((Path(ckpt_dir) / "step_00000004").rglob("*optim_states.pt"))
+        victim.write_bytes(pickle.dumps(Payload(marker)))
+        resign(Path(ckpt_dir), 4)
+    dist.barrier()
+    resumed = train(TrainConfig(**base, checkpoint_dir=ckpt_dir, save_every=2), model)
+    same = all(ref["params"][k].equal(resumed["params"][k]) for k in ref["params"])
+    return {"start_step": resumed["start_step"], "notes": resumed["resume_notes"], "bit_exact": same,
+            "loss_equal": ref["loss"] == resumed["loss"]}

@@ -1,0 +1,342 @@
+"""Checkpoints that survive kills, corruption, planted pickles and full disks; bit-exact resume."""
+import errno
+import json
+import os
+import pickle
+import random
+import resource
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from ft_rank_fns import Payload, deepspeed_resume, resign
+from labkit.fault_injection import Fault, read_log, run_with_faults
+from labkit.fault_tolerance import LOCAL, CheckpointError, Checkpointer
+from labkit.launch import launch
+from labkit.model import GPTConfig
+from labkit.preemption import EXIT, SAVE_AND_EXIT, PreemptionHandler, REQUEUE_EXIT_CODE
+from labkit.train import TrainConfig, main, train, train_many
+
+
+def _state(step: int, n: int = 4096) -> dict:
+    """A small state whose every value says which step it belongs to."""
+    return {"model": {"w": torch.full((n,), float(step)), "b": torch.arange(7) + step},
+            "step": step, "cfg": {"betas": (0.9, 0.95), "name": f"s{step}", "none": None},
+            LOCAL: {"rng": torch.full((3,), step, dtype=torch.uint8)}}
+
+
+def _check(state: dict, step: int) -> None:
+    assert state["step"] == step and state["cfg"] == {"betas": (0.9, 0.95), "name": f"s{step}", "none": None}
+    assert torch.equal(state["model"]["w"], torch.full_like(state["model"]["w"], float(step)))
+    assert torch.equal(state["model"]["b"], torch.arange(7) + step)
+    assert torch.equal(state[LOCAL]["rng"], torch.full((3,), step, dtype=torch.uint8))
+
+
+def test_single_process_round_trip_retention_and_template(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep_last=2)
+    for step in (1, 2, 3):
+        stats = ckpt.save(step, _state(step))
+        assert stats.done and stats.bytes > 4096 * 4 and stats.blocking_s == stats.total_s
+    assert ckpt.steps() == [2, 3] and (tmp_path / "latest").read_text() == "step_00000003"
+    step, state = ckpt.load_latest()
+    assert step == 3
+    _check(state, 3)
+    template = {"model": {"w": torch.zeros(4096), "b": torch.zeros(7, dtype=torch.int64)}}
+    step, state = Checkpointer(tmp_path).load_latest(template)
+    assert state["model"]["w"] is template["model"]["w"]  # loaded in place
+    _check(state, 3)
+    assert Checkpointer(tmp_path / "empty").load_latest() is None
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(keep_last=0), ValueError, "keep_last must be an integer >= 1"),
+    (dict(hash="md5"), ValueError, r"hash='md5' is unknown; valid hashes: \['xxh3_64'"),
+])
+def test_bad_checkpointer_arguments_are_named(tmp_path, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        Checkpointer(tmp_path, **kwargs)
+
+
+def test_bad_states_and_directories_are_named(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="directory=.* is not a writable directory"):
+        Checkpointer(tmp_path / "file" / "ckpt")
+    ckpt = Checkpointer(tmp_path / "c")
+    with pytest.raises(TypeError, match=r"state\['opt/lock'\] is a set"):
+        ckpt.save(1, {"opt": {"lock": {1, 2}}})
+    with pytest.raises(ValueError, match="step must be a non-negative integer"):
+        ckpt.save(-1, {})
+    assert ckpt.steps() == []
+
+
+def _saver(directory: str, async_save: bool) -> None:
+    """Child of a fork: save steps 1, 2, 3, ... back to back until killed."""
+    torch.set_num_threads(1)  # no OpenMP pool in a forked child
+    ckpt = Checkpointer(directory, keep_last=2, async_save=async_save)
+    step = (ckpt.steps() or [0])[-1] + 1
+    while True:
+        ckpt.save(step, _state(step, 1 << 16))
+        step += 1
+
+
+def test_kill_at_random_instants_always_leaves_the_newest_good_checkpoint(tmp_path):
+    """24 SIGKILLs at random instants of back-to-back saves (sync and async); each time the newest
+    checkpoint verifies and loads, the step never goes back, and leftovers are cleaned."""
+    rng = random.Random(1234)
+    best, torn, advanced = 0, 0, 0
+    for trial in range(24):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child never returns
+            try:
+                _saver(str(tmp_path), async_save=trial % 2 == 1)
+            finally:
+                os._exit(0)
+        time.sleep(rng.uniform(0.05, 0.4))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        torn += any(tmp_path.glob(".tmp-*"))
+        ckpt = Checkpointer(tmp_path, keep_last=2)  # cleans what the killed save left
+        assert not any(tmp_path.glob(".tmp-*")) and not any(tmp_path.glob(".trash-*"))
+        assert all(ckpt.verify(s) == [] for s in ckpt.steps()), f"trial {trial}: a published checkpoint is torn"
+        got = ckpt.load_latest()
+        if got is None:
+            assert best == 0, f"trial {trial}: checkpoint {best} vanished"
+            continue
+        step, state = got
+        _check(state, step)
+        assert step >= best, f"trial {trial}: went back from step {best} to {step}"
+        advanced += step > best
+        best = step
+    assert torn >= 5 and advanced >= 10, (torn, advanced)  # the kills did land inside saves
+
+
+def test_a_flipped_byte_in_any_file_is_detected_and_the_previous_checkpoint_used(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep_last=3)
+    ckpt.save(1, _state(1))
+    ckpt.save(2, _state(2))
+    path = tmp_path / "step_00000002"
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    assert {p.name for p in files} >= {"manifest.json", ".metadata", "rank0.pt", "__0_0.distcp"}
+    rng = random.Random(0)
+    for f in files:
+        data = bytearray(f.read_bytes())
+        for offset in (0, len(data) - 1, rng.randrange(len(data))):
+            flipped = bytearray(data)
+            flipped[offset] ^= 1 << rng.randrange(8)
+            f.write_bytes(flipped)
+            problems = ckpt.verify(2)
+            assert problems and any(f.name in p for p in problems), (f.name, offset, problems)
+            with pytest.warns(UserWarning, match="step_00000002 is unusable"):
+                step, state = ckpt.load_latest()
+            assert step == 1 and ckpt.last_load.skipped[0][0] == 2
+            _check(state, 1)
+        f.write_bytes(data)
+    assert ckpt.verify(2) == [] and ckpt.load_latest()[0] == 2
+
+
+@pytest.mark.parametrize("victim", ["rank0.pt", ".metadata"])
+def test_a_planted_malicious_pickle_is_refused(tmp_path, victim):
+    ckpt = Checkpointer(tmp_path / "c", keep_last=3)
+    ckpt.save(1, _state(1))
+    ckpt.save(2, _state(2))
+    marker = tmp_path / "pwned"
+    (tmp_path / "c" / "step_00000002" / victim).write_bytes(pickle.dumps(Payload(str(marker))))
+    resign(ckpt.dir, 2)  # the manifest agrees: integrity checks are not a security boundary
+    assert ckpt.verify(2) == []
+    with pytest.warns(UserWarning, match="refused to load"):
+        step, state = ckpt.load_latest()
+    assert not marker.exists() and step == 1
+    _check(state, 1)
+
+
+def test_disk_full_during_save_is_a_clear_error_and_the_previous_checkpoint_stays(tmp_path, monkeypatch):
+    ckpt = Checkpointer(tmp_path, keep_last=1)
+    ckpt.save(1, _state(1))
+    real_fsync = os.fsync
+
+    def full_disk_fsync(fd):  # file systems report a full disk at write or, delayed, at fsync
+        if ".tmp-" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full_disk_fsync)
+    with pytest.raises(CheckpointError, match=r"saving step 2 .* No space left on device.*step 1, is intact"):
+        ckpt.save(2, _state(2))
+    monkeypatch.undo()
+    assert ckpt.steps() == [1] and not any(tmp_path.glob(".tmp-*"))
+    _check(ckpt.load_latest()[1], 1)
+
+
+def test_a_real_write_failure_past_the_file_size_limit(tmp_path):
+    """The kernel refuses the write itself (RLIMIT_FSIZE: EFBIG) in a forked child."""
+    ckpt = Checkpointer(tmp_path, keep_last=1)
+    ckpt.save(1, _state(1))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover
+        try:
+            torch.set_num_threads(1)
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get the error, not the signal
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+            try:
+                Checkpointer(tmp_path, keep_last=1).save(2, _state(2, 1 << 16))
+                msg = "saved"
+            except CheckpointError as e:
+                msg = str(e)
+            os.write(w, msg.encode()[:4000])
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    msg = os.read(r, 4000).decode()
+    # torch's zip writer reports a failed write(2) as a position mismatch, not as EFBIG
+    assert msg.startswith(f"saving step 2 to {tmp_path} failed (rank 0: ") and "step 1, is intact" in msg, msg
+    assert Checkpointer(tmp_path).steps() == [1] and not any(tmp_path.glob(".tmp-*"))
+
+
+def test_async_save_blocks_only_for_the_snapshot_and_writes_it(tmp_path):
+    state = {"w": torch.randn(8 << 20)}  # 32 MB
+    expected = state["w"].clone()
+    sync = Checkpointer(tmp_path / "sync").save(1, state)
+    ckpt = Checkpointer(tmp_path / "async", keep_last=1, async_save=True)
+    ckpt.save(1, {"w": torch.zeros(4)})
+    ckpt.wait()
+    stats = ckpt.save(2, state)
+    state["w"].add_(1.0)  # training goes on at once
+    assert not stats.done and ckpt.steps() == [1]  # the old one stays until the new one is durable
+    done = ckpt.wait()
+    assert done.done and ckpt.steps() == [2]
+    assert torch.equal(ckpt.load_latest()[1]["w"], expected)
+    assert stats.blocking_s < 0.5 * sync.total_s, (stats.blocking_s, sync.total_s)
+
+
+def test_preemption_handler_agrees_on_save_or_exit():
+    with pytest.raises(ValueError, match="grace_s must be a non-negative number"):
+        PreemptionHandler(grace_s=-1)
+    previous = signal.getsignal(signal.SIGUSR1)
+    with PreemptionHandler(grace_s=5.0, reserve_s=1.0) as h:
+        assert h.poll(100.0) == "continue"
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert h.signal_name == "SIGUSR1" and 3.5 < h.time_left() <= 5.0
+        assert h.poll(1.0) == SAVE_AND_EXIT and h.poll(10.0) == EXIT
+    assert signal.getsignal(signal.SIGUSR1) is previous
+
+
+def test_sigterm_in_the_cli_saves_exits_75_and_the_rerun_resumes(tmp_path):
+    log = tmp_path / "log.jsonl"
+    args = ["--steps", "400", "--block-size", "16", "--n-layer", "1", "--checkpoint-dir", str(tmp_path / "ck"),
+            "--step-log", str(log)]
+
+    def notice():  # the spot notice arrives once training is under way
+        while not any(e["event"] == "step" and e["step"] >= 3 for e in read_log(log)):
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=notice, daemon=True).start()
+    assert main(args) == REQUEUE_EXIT_CODE
+    pre = [e for e in read_log(log) if e["event"] == "preempted"]
+    assert len(pre) == 1 and pre[0]["saved"] and pre[0]["signal"] == "SIGTERM"
+    assert Checkpointer(tmp_path / "ck").steps()[-1] == pre[0]["step"]
+    assert signal.getsignal(signal.SIGTERM) is before  # given back
+    out = tmp_path / "m.json"
+    assert main([*args[:1], str(pre[0]["step"] + 2), *args[2:], "--metrics", str(out)]) == 0
+    m = json.loads(out.read_text())
+    assert m["start_step"] == pre[0]["step"] and len(m["loss"]) == pre[0]["step"] + 2
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(lr_schedule="linear"), r"lr_schedule='linear' is unknown; valid schedules: \['constant', 'cosine'\]"),
+    (dict(keep_last=0), "keep_last must be a positive integer"),
+    (dict(save_every=-1), "save_every must be a non-negative integer"),
+    (dict(strategy="zero1_scratch", checkpoint_dir="x"), "checkpoint_dir is not supported with strategy='zero1_scratch'"),
+    (dict(strategy="zero2", async_save=True), "async_save=True is not supported with strategy='zero2'"),
+])
+def test_bad_fault_tolerance_config_is_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kwargs)
+
+
+def test_bad_faults_are_named():
+    with pytest.raises(ValueError, match=r"signal='SIGSTOP' is unknown; valid: \['SIGKILL', 'SIGTERM', 'SIGUSR1'\]"):
+        Fault(3, "SIGSTOP")
+    with pytest.raises(ValueError, match="target='rank1' must be a rank"):
+        Fault(3, "SIGKILL", "rank1")
+    with pytest.raises(ValueError, match="must not set --step-log"):
+        run_with_faults(["--step-log", "x"], [], "log.jsonl")
+
+
+def test_a_checkpoint_of_another_run_is_refused(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    cfg = TrainConfig(steps=2, checkpoint_dir=str(tmp_path))
+    train(cfg, GPTConfig(block_size=16, n_layer=1))
+    with pytest.raises(ValueError, match="saved with seed=0 but this run has seed=1"):
+        train(TrainConfig(steps=3, seed=1, checkpoint_dir=str(tmp_path)), GPTConfig(block_size=16, n_layer=1))
+    with pytest.raises(ValueError, match=r"saved with model=\{.*'n_layer': 1.* but this run has model=\{.*'n_layer': 2"):
+        train(TrainConfig(steps=3, checkpoint_dir=str(tmp_path)), GPTConfig(block_size=16, n_layer=2))
+    assert Checkpointer(tmp_path).steps() == [2]  # refused, not skipped and overwritten
+    with pytest.raises(ValueError, match="already holds checkpoints up to step 2; with resume=False"):
+        train(TrainConfig(steps=3, resume=False, checkpoint_dir=str(tmp_path)), GPTConfig(block_size=16, n_layer=1))
+    assert signal.getsignal(signal.SIGTERM) is before  # a refused resume leaves no handler behind
+
+
+# -- bit-exact resume under torchrun: real SIGKILLs and SIGTERMs at random steps --
+STEPS = 14
+MODEL = GPTConfig(block_size=16, dropout=0.1)  # dropout: a resume that loses the RNG state shows
+BASE = dict(steps=STEPS, lr_schedule="cosine", warmup_steps=2)  # so does one that loses the scheduler
+
+
+def _job(tmp_path, strategy: str, faults: list[tuple[str, int]]) -> tuple[list[Fault], dict]:
+    rng = random.Random(strategy)  # random kill points, the same on every run of the test
+    first = rng.randint(2, 6)
+    points = [Fault(first, *faults[0]), Fault(rng.randint(first + 2, STEPS - 2), *faults[1])]
+    args = ["--strategy", strategy, "--steps", str(STEPS), "--block-size", "16", "--dropout", "0.1",
+            "--lr-schedule", "cosine", "--warmup-steps", "2", "--checkpoint-dir", str(tmp_path / strategy),
+            "--save-every", "2", "--grace-s", "10"] + (["--async-save"] if strategy == "fsdp" else [])
+    return points, run_with_faults(args, points, tmp_path / f"{strategy}.jsonl", max_restarts=2,
+                                   shutdown_timeout=10, timeout_s=400)
+
+
+def test_resume_is_bit_exact_after_kills_under_torchrun(tmp_path):
+    """DDP (SIGKILL rank 1, then SIGTERM rank 0) and FSDP with async saves (SIGTERM rank 1, then SIGKILL
+    rank 0) under torchrun --max-restarts 2 end bit-identical to uninterrupted runs. The two jobs and
+    the reference run at the same time: most of their time is interpreters starting."""
+    with ThreadPoolExecutor(3) as pool:
+        ref = pool.submit(launch, train_many, [TrainConfig(strategy=s, return_params=True, **BASE)
+                                               for s in ("ddp", "fsdp")], MODEL, world_size=2)
+        jobs = {"ddp": pool.submit(_job, tmp_path, "ddp", [("SIGKILL", 1), ("SIGTERM", 0)]),
+                "fsdp": pool.submit(_job, tmp_path, "fsdp", [("SIGTERM", 1), ("SIGKILL", 0)])}
+        reference = {r["strategy"]: r for r in ref.result()[0]}
+        for strategy, job in jobs.items():
+            points, out = job.result()
+            assert out["returncodes"] == [0], out["output_tail"]
+            assert [f["step"] for f in out["fired"]] == [p.step for p in points], out["fired"]
+            restores = [e["step"] for e in out["events"] if e["event"] == "restore"]
+            preempted = [e for e in out["events"] if e["event"] == "preempted"]
+            assert len(restores) == 3 and len(preempted) == 1 and preempted[0]["saved"]
+            assert preempted[0]["step"] in restores  # SIGTERM: nothing lost, the run goes on from that step
+            step, state = Checkpointer(tmp_path / strategy).load_latest()  # no process group: whole tensors
+            want = reference[strategy]["params"]
+            assert step == STEPS and state["meta"]["world_size"] == 2
+            assert all(torch.equal(state["model"][k], want[k]) for k in want), f"{strategy}: kill points {points}"
+            assert state["losses"] == reference[strategy]["loss"]
+    # The DDP checkpoint of 2 ranks resumes in one process: resharded, and it says so.
+    more = train(TrainConfig(strategy="single", checkpoint_dir=str(tmp_path / "ddp"), **BASE | {"steps": STEPS + 1}),
+                 MODEL)
+    assert more["start_step"] == STEPS and more["restored"]["saved_world_size"] == 2
+    assert "resharded from ddp x2 to single x1" in more["resume_notes"][0]
+
+
+def test_deepspeed_checkpoints_go_through_the_same_checkpointer(tmp_path):
+    """ZeRO-3 saves with engine.save_checkpoint into the atomic, checksummed layout; a planted pickle
+    in its optimizer file (DeepSpeed loads with weights_only=False) is refused before DeepSpeed sees it,
+    and the resume from the step before is bit-exact."""
+    out = launch(deepspeed_resume, "zero3", str(tmp_path / "ck"), str(tmp_path / "pwned"), world_size=2,
+                 quiet=True)[0]
+    assert out["start_step"] == 2 and "skipped step 4: refused to load" in out["notes"][0]
+    assert out["bit_exact"] and out["loss_equal"] and not (tmp_path / "pwned").exists()
