@@ -14,7 +14,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "cluster"
-K8S = CLUSTER / "k8s"
+K8S = CLUSTER / "k8s" / "base"
+OVERLAY = CLUSTER / "k8s" / "overlays" / "cpu"
 HUB = CLUSTER / "jupyterhub"
 SCRIPTS = sorted([*CLUSTER.rglob("*.sh"), *CLUSTER.rglob("*.sbatch")])
 
@@ -69,8 +70,8 @@ def test_job_variables_are_all_defined_and_the_rendezvous_is_pod_zero():
 
 
 def test_cpu_overlay_only_changes_known_keys():
-    base, cpu = _kustomization(K8S), _kustomization(K8S / "overlays" / "cpu")
-    assert all((K8S / "overlays" / "cpu" / r / "kustomization.yaml").is_file() for r in cpu["resources"])
+    base, cpu = _kustomization(K8S), _kustomization(OVERLAY)
+    assert all((OVERLAY / r / "kustomization.yaml").is_file() for r in cpu["resources"])
     keys = {l.split("=", 1)[0] for l in base["configMapGenerator"][0]["literals"]}
     gen = cpu["configMapGenerator"][0]
     assert gen["behavior"] == "merge" and gen["name"] == base["configMapGenerator"][0]["name"]
@@ -85,6 +86,25 @@ def test_cpu_overlay_only_changes_known_keys():
                 from kubernetes.client import V1ResourceRequirements
 
                 assert isinstance(_deserialize(op["value"], "V1ResourceRequirements"), V1ResourceRequirements)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed (kustomize is built into it)")
+@pytest.mark.parametrize("where", [K8S, OVERLAY], ids=["base", "overlays/cpu"])
+def test_kustomize_builds_valid_objects(where):
+    out = subprocess.run(["kubectl", "kustomize", str(where)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    docs = {d["kind"]: d for d in yaml.safe_load_all(out.stdout)}
+    assert set(docs) == {"ConfigMap", "Service", "PersistentVolumeClaim", "Job"}
+    job = _deserialize(docs["Job"], "V1Job")
+    c = job.spec.template.spec.containers[0]
+    cm = docs["ConfigMap"]["data"]
+    assert c.env_from[0].config_map_ref.name == docs["ConfigMap"]["metadata"]["name"]  # the generated hash name
+    assert set(re.findall(r"\$\((\w+)\)", " ".join(c.command + c.args))) <= set(cm) | {e.name for e in c.env}
+    assert c.image.startswith("ghcr.io/training-at-scale/labkit")
+    grace = job.spec.template.spec.termination_grace_period_seconds
+    assert float(cm["GRACE_S"]) < float(cm["SHUTDOWN_TIMEOUT"]) < grace  # save, then torchrun, then the kubelet
+    if where == OVERLAY:
+        assert cm["DEVICE"] == "cpu" and "nvidia.com/gpu" not in (c.resources.limits or {})
 
 
 def test_jupyterhub_values_use_real_traits_and_a_real_authenticator():
