@@ -39,6 +39,10 @@ CLI_HELP = {
     "grace_s": "seconds from SIGTERM/SIGUSR1 to SIGKILL: finish the step, save if it fits, exit 75 (requeue)",
     "step_log": "append one JSON line per step, checkpoint, restore and preemption (rank 0)",
     "lr_schedule": "constant, or cosine decay to lr/10 at the last step (after --warmup-steps)",
+    "tp": "strategy tp: tensor-parallel degree (0: every rank; the other world/tp ranks are FSDP2 data parallel)",
+    "pp": "strategy pp: pipeline stages, one per rank (0: every rank)",
+    "microbatches": "strategy pp: microbatches the global batch is cut into",
+    "schedule": "strategy pp: pipeline schedule",
 }
 
 

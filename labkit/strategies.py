@@ -27,10 +27,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from labkit.data_parallel import BucketedDataParallel, NaiveDataParallel
 
-STRATEGIES = ("single", "ddp", "dp_naive", "dp_bucketed", "fsdp", "zero1", "zero2", "zero3", "zero1_scratch")
+STRATEGIES = ("single", "ddp", "dp_naive", "dp_bucketed", "fsdp", "zero1", "zero2", "zero3", "zero1_scratch",
+              "tp", "pp")  # tp/pp split the model itself: labkit.tensor_parallel, labkit.pipeline_parallel
 # The ZeRO stage each strategy's memory follows (labkit.memory.model_state_breakdown).
 ZERO_STAGE = {"single": 0, "ddp": 0, "dp_naive": 0, "dp_bucketed": 0, "fsdp": 3,
-              "zero1": 1, "zero2": 2, "zero3": 3, "zero1_scratch": 1}
+              "zero1": 1, "zero2": 2, "zero3": 3, "zero1_scratch": 1, "tp": 0, "pp": 0}
 DEEPSPEED = ("zero1", "zero2", "zero3")  # wrapped by labkit.zero after the optimizer exists
 
 

@@ -32,6 +32,8 @@ from labkit.comm import CommCounter, ring_volume
 from labkit.data import check_shard, get_batch, load_corpus, train_val_split
 from labkit.launch import check_device, init_from_env
 from labkit.model import GPT, GPTConfig, build_model
+from labkit.pipeline_parallel import SCHEDULES, train_pp
+from labkit.tensor_parallel import train_tp
 from labkit.preemption import REQUEUE_EXIT_CODE
 from labkit.resume import CLI_HELP, Resumable, check_checkpointing, seed_rngs
 from labkit.schedule import LR_SCHEDULES, lr_scheduler
@@ -72,16 +74,23 @@ class TrainConfig:
     resume: bool = True  # start from the newest good checkpoint in checkpoint_dir
     grace_s: float = 30.0  # SIGTERM/SIGUSR1 to SIGKILL: finish the step, save if it fits, exit 75
     step_log: str | None = None  # append one JSON line per step, checkpoint and restore (rank 0)
+    tp: int = 0  # strategy tp: tensor-parallel degree; 0 = every rank (world/tp ranks are FSDP2 data parallel)
+    pp: int = 0  # strategy pp: pipeline stages, one per rank; 0 = every rank
+    microbatches: int = 4  # strategy pp: the global batch is cut into this many
+    schedule: str = "1f1b"  # strategy pp: gpipe | 1f1b | interleaved
     progress: bool | None = None  # None: a bar when attached to a terminal and steps >= 50
     return_params: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r} is unknown; valid strategies: {list(STRATEGIES)}")
-        for name in ("steps", "batch_size", "grad_accum", "keep_last", "warmup_steps", "save_every"):
-            v, low = getattr(self, name), 0 if name in ("warmup_steps", "save_every") else 1
+        for name in ("steps", "batch_size", "grad_accum", "keep_last", "warmup_steps", "save_every", "tp", "pp",
+                     "microbatches"):
+            v, low = getattr(self, name), 0 if name in ("warmup_steps", "save_every", "tp", "pp") else 1
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"{name} must be a {'positive' if low else 'non-negative'} integer, got {v!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} is unknown; valid schedules: {list(SCHEDULES)}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule={self.lr_schedule!r} is unknown; valid schedules: {list(LR_SCHEDULES)}")
         check_checkpointing(self)
@@ -129,6 +138,10 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     model_cfg = model_cfg or GPTConfig()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     check_strategy(cfg.strategy, world)
+    if cfg.strategy == "tp":  # the model itself is split: its own loop, the same result dict
+        return train_tp(cfg, model_cfg, corpus)
+    if cfg.strategy == "pp":  # ... plus "bubble_fraction"; one process runs the stages by hand
+        return train_pp(cfg, model_cfg, corpus, impl="torch" if world > 1 else "scratch")
     check_shard(cfg.batch_size, world)
     if (cfg.batch_size // world) % cfg.grad_accum:
         raise ValueError(f"grad_accum={cfg.grad_accum} must divide the {cfg.batch_size // world} rows each rank "
@@ -272,7 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m labkit.train",
         description="Train the lab GPT with a parallel strategy; run under torchrun for several ranks.",
     )
-    choices = {"strategy": STRATEGIES, "device": ("cpu", "cuda"), "precision": PRECISIONS, "lr_schedule": LR_SCHEDULES}
+    choices = {"strategy": STRATEGIES, "device": ("cpu", "cuda"), "precision": PRECISIONS, "lr_schedule": LR_SCHEDULES,
+               "schedule": SCHEDULES}
     for f in fields(TrainConfig):
         if f.name in ("progress", "return_params"):
             continue

@@ -297,3 +297,55 @@ def test_fault_tolerance_lab_metrics(lab_metrics):
     assert rows[(hi, "never")]["$ lost at 14 h (mean)"] > 30 * rows[(hi, "sync")]["$ lost at 14 h (mean)"]
     assert rows[(hi, "async")]["expected $"] <= rows[(hi, "sync")]["expected $"] < rows[(hi, "never")]["expected $"]
     assert rows[(lo, "sync")]["Young interval (min)"] > rows[(hi, "sync")]["Young interval (min)"]
+
+
+def test_tensor_parallel_lab_metrics(lab_metrics):
+    m = lab_metrics["tensor_parallel"]
+    P = m["params"]
+    assert m["profile"] == "ci" and P["world_size"] == 2
+    assert set(m["max_loss_dev"]) == {"DTensor", "hand-written f/g", "DTensor + sequence parallel"}
+    assert all(v < 1e-5 for v in m["max_loss_dev"].values())
+    assert all(len(loss) == P["steps"] >= 20 for loss in m["loss"].values())
+    assert all(v < 3e-4 for v in m["max_param_dev"].values())
+    bsh = P["block_size"] * P["n_embd"] * 4
+    for row in m["comm_per_layer"]:
+        assert row["measured"] == row["formula"] == 4 * row["batch"] * bsh and row["calls_per_layer"] == 4
+    assert m["sp_ring_bytes"] == m["tp_ring_bytes"] + P["batch_size"] * bsh
+    mem, pred = m["model_state_bytes"], m["predicted_model_state_bytes"]
+    assert sorted(mem, key=int) == [str(t) for t in P["degrees"]] == ["1", "2", "4"]
+    assert mem["1"]["total"] > mem["2"]["total"] > mem["4"]["total"] > mem["1"]["total"] / 4
+    for t in mem:
+        assert mem[t]["params"] * 4 == pred[t] and 0 <= mem[t]["total"] - pred[t] <= 4 * 64
+    assert m["mesh_2d"] == [2, 2] and m["max_loss_dev_2d"] < 1e-5
+    assert m["comm_2d"]["allgather_base"] > 0 and m["comm_2d"]["reduce_scatter_base"] > 0
+    assert abs(m["model_state_bytes_2d"] / (mem["2"]["total"] / 2) - 1) < 0.01
+    nvlink, ib = m["bandwidth"]
+    assert nvlink["ratio"] < 0.5 and ib["ratio"] > 1
+
+
+def test_pipeline_parallel_lab_metrics(lab_metrics):
+    m = lab_metrics["pipeline_parallel"]
+    P = m["params"]
+    assert m["profile"] == "ci" and P["world_size"] == 2
+    assert set(m["max_loss_dev"]) == {"torch GPipe", "torch 1F1B", "torch interleaved 1F1B",
+                                      "hand-written GPipe", "hand-written 1F1B"}
+    assert all(v < 1e-5 for v in m["max_loss_dev"].values())
+    assert all(len(loss) == P["steps"] >= 20 for loss in m["loss"].values())
+    assert m["grad_accum_loss_dev"] < 1e-5 < m["grad_accum_loss_dev_3x_lr"]
+    for key, rows in m["bubble"].items():
+        assert all(r["measured"] > r["formula"] - 0.05 for r in rows), key
+    gpipe = {r["m"]: r for r in m["bubble"]["GPipe"]}
+    assert sorted(gpipe) == P["bubble_ms"] and gpipe[1]["formula"] == 0.5
+    assert gpipe[1]["measured"] > gpipe[max(gpipe)]["measured"] + 0.1
+    pp, mm = P["mem_pp"], P["mem_microbatches"]
+    assert all(abs(x - round(x)) < 0.05 for v in m["in_flight"].values() for x in v)
+    assert [round(x) for x in m["in_flight"]["gpipe"]] == [mm] * pp
+    assert [round(x) for x in m["in_flight"]["1f1b"]] == list(range(pp, 0, -1))
+    assert all(0 <= a - b <= 4 * 64 for a, b in zip(m["stage_states"], m["stage_states_predicted"]))
+    act = P["batch_size"] * P["block_size"] * P["n_embd"] * 4
+    assert m["p2p_bytes"]["send"] == m["p2p_bytes"]["recv"] == act
+    assert m["p2p_bytes"]["allreduce"] == 256 * P["n_embd"] * 4 + 4
+    assert m["tp_equiv_bytes"] == 4 * P["n_layer"] * act
+    lay = m["layout"]
+    assert (lay["tp"], lay["pp"], lay["dp"]) == (8, 2, 64) and lay["gb"] < 0.9 * P["plan_device_gb"]
+    assert any(not o["fits"] for o in m["layouts"]) and any(o["fits"] for o in m["layouts"])

@@ -1,0 +1,203 @@
+"""Pipeline parallelism (torch.distributed.pipelining and hand-written) against single-process training,
+and the instruments: timeline, bubble, activation memory per stage."""
+from contextlib import contextmanager
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from labkit.launch import launch
+from labkit.model import GPT, GPTConfig, build_model
+from labkit.model_parallel import run_many
+from labkit.pipeline_parallel import (GPTStage, check_pp, schedule_order, stage_bounds, stage_params,
+                                      train_pp)
+from labkit.pp_timeline import ActivationMeter, Event, bubble_formula, bubble_fraction
+from labkit.train import TrainConfig, train
+
+MODEL = GPTConfig(block_size=32, n_layer=4)
+# lr 1e-3: at the default 3e-3 seed 0 spikes at step 15 and amplifies last-bit differences; there even
+# one process accumulating 4 microbatches (the same sums as a pipeline, in another order) is 1.7e-4 off
+# its grad_accum=1 run, which no pipeline can beat. At 1e-3 that deviation stays below 1e-6.
+CFG = TrainConfig(steps=20, batch_size=8, lr=1e-3, return_params=True)
+M = 4  # microbatches
+LOSS_TOL = 1e-5
+# Microbatches sum gradients in another order than one batch; Adam divides by sqrt(v), which blows
+# last-bit differences up where a gradient is near zero (measured 8e-5 after 20 steps at lr 3e-3). A
+# wrong pipeline (a stage without gradients, an unsynced tied copy) is off by ~lr per step.
+PARAM_TOL = 3e-4
+VARIANTS = {"torch_gpipe": dict(impl="torch", schedule="gpipe"), "torch_1f1b": dict(impl="torch", schedule="1f1b"),
+            "scratch_gpipe": dict(impl="scratch", schedule="gpipe"),
+            "scratch_1f1b": dict(impl="scratch", schedule="1f1b"),
+            "torch_interleaved": dict(impl="torch", schedule="interleaved")}
+
+
+@contextmanager
+def one_thread():
+    # The reference in the pytest process: 2 OpenMP threads on 2 shared cores spin against the ranks.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def ref():
+    with one_thread():
+        return train(CFG, MODEL)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    variants = [dict(v, microbatches=M) for v in VARIANTS.values()]
+    out = launch(run_many, train_pp, CFG, MODEL, variants, world_size=2, timeout=240)
+    return [dict(zip(VARIANTS, rank)) for rank in out]
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_pipeline_matches_single_process_every_step(ref, runs, name):
+    r = runs[0][name]
+    diff = np.abs(np.array(ref["loss"]) - np.array(r["loss"]))
+    assert len(diff) == CFG.steps >= 20 and diff.max() < LOSS_TOL, diff
+    assert set(r["params"]) == set(ref["params"])  # the stages' state dicts merge into the GPT's
+    assert max((ref["params"][k] - r["params"][k]).abs().max().item() for k in ref["params"]) < PARAM_TOL
+    assert torch.equal(r["params"]["head.weight"], r["params"]["wte.weight"])  # tied copies stayed equal
+    assert runs[1][name]["loss"] == r["loss"]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_hand_written_pipeline_matches_torch_pipelining(runs, schedule):
+    t, s = runs[0][f"torch_{schedule}"], runs[0][f"scratch_{schedule}"]
+    assert np.abs(np.array(t["loss"]) - np.array(s["loss"])).max() < 1e-6
+    assert max((t["params"][k] - s["params"][k]).abs().max().item() for k in t["params"]) < 1e-6
+    for rt, rs in zip(t["ranks"], s["ranks"]):  # the same schedule holds the same activations
+        assert rt["peak_activation_bytes"] == rs["peak_activation_bytes"]
+
+
+def test_gpipe_holds_every_microbatch_and_1f1b_at_most_p(runs):
+    p = 2
+    for impl in ("torch", "scratch"):
+        for stage in range(p):
+            g, f = runs[0][f"{impl}_gpipe"]["ranks"][stage], runs[0][f"{impl}_1f1b"]["ranks"][stage]
+            per_mb = g["activation_bytes_per_microbatch"]
+            assert per_mb > MODEL.n_layer // p * 2 * 32 * 64 * 4
+            # + the token ids (stage 0) or targets (last stage) the loss saves: every microbatch is a
+            # view of one batch tensor, counted once
+            ids = CFG.batch_size * MODEL.block_size * 8
+            assert set(g["peak_activation_bytes"]) == {M * per_mb + ids}, (impl, stage)
+            assert set(f["peak_activation_bytes"]) == {(p - stage) * per_mb + ids}, (impl, stage)
+
+
+def test_messages_between_stages_are_the_activations_and_their_gradients(runs):
+    act = CFG.batch_size * MODEL.block_size * MODEL.n_embd * 4  # every microbatch crosses once each way
+    tied = MODEL.vocab_size * MODEL.n_embd * 4
+    for name in ("torch_gpipe", "scratch_1f1b"):
+        for rank in runs[0][name]["ranks"]:
+            assert rank["comm_bytes_per_step"][-1] == {"send": act, "recv": act, "allreduce": tied + 4}, name
+    inter = runs[0]["torch_interleaved"]["ranks"][0]["comm_bytes_per_step"][-1]
+    assert inter["send"] == inter["recv"] == 3 * act  # 4 chunks on 2 ranks: 3 boundaries
+
+
+def test_memory_per_stage_is_its_layers(runs):
+    r = runs[0]["torch_1f1b"]
+    assert r["stage_layers"] == [(0, 2), (2, 4)]
+    for rank in r["ranks"]:
+        got = rank["model_state_bytes"]
+        assert got["params"] == got["grads"] == 4 * stage_params(MODEL, 2, rank["rank"])
+    # stage 0 keeps the embeddings, stage 1 the head's copy of the same matrix: each ~ half the model
+    assert stage_params(MODEL, 2, 0) + stage_params(MODEL, 2, 1) == GPT.count_params(MODEL) + 256 * 64
+
+
+def test_bubble_shrinks_with_microbatches_and_never_beats_the_formula():
+    """Measured on two ranks: idle share of the step for m = 1 and m = 8 microbatches of 2 rows."""
+    model = GPTConfig(block_size=64, n_layer=4, n_embd=128, n_head=4)
+    ms = (1, 8)
+    runs = launch(run_many, train_pp, TrainConfig(steps=3), model, [
+        dict(config={"batch_size": 2 * m}, microbatches=m, schedule="gpipe", impl="scratch") for m in ms],
+        world_size=2, timeout=120)[0]
+    out = dict(zip(ms, runs))
+    for m, r in out.items():
+        assert r["bubble_formula"] == bubble_formula(2, m)
+        assert r["bubble_fraction"] > r["bubble_formula"] - 0.05, m  # the ideal is a floor, up to timer noise
+        events = [Event(**e) for e in r["timeline"]]
+        assert sorted((e.stage, e.kind, e.mb) for e in events) == sorted(
+            (s, k, i) for s in range(2) for k in "FB" for i in range(m))
+    measured = {m: r["bubble_fraction"] for m, r in out.items()}
+    assert measured[1] > measured[8] + 0.1, measured
+
+
+def test_schedules_in_order():
+    assert schedule_order("gpipe", 2, 0, 3) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2)]
+    assert schedule_order("1f1b", 3, 0, 4) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1),
+                                               ("B", 2), ("B", 3)]
+    assert schedule_order("1f1b", 3, 2, 4) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2),
+                                               ("F", 3), ("B", 3)]
+    assert stage_bounds(5, 2) == [(0, 3), (3, 5)] and stage_bounds(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+def test_bubble_of_an_ideal_timeline_is_the_formula():
+    for p, m in ((2, 1), (2, 4), (4, 8)):
+        ev = []
+        for s in range(p):  # GPipe with unit forwards and backwards of 2 units
+            ev += [Event(s, "F", i, s + i, s + i + 1) for i in range(m)]
+            b0 = m + p - 1 + 2 * (p - 1 - s)
+            ev += [Event(s, "B", i, b0 + 2 * i, b0 + 2 * i + 2) for i in range(m)]
+        assert bubble_fraction(ev) == pytest.approx(bubble_formula(p, m))
+    assert bubble_formula(4, 8, v=2) == pytest.approx(3 / 19)
+
+
+def test_activation_meter_counts_what_backward_needs_and_frees_it():
+    model = build_model(MODEL)
+    stage = GPTStage(model, 0, 1)
+    x = torch.randint(0, 256, (2, 32))
+    with ActivationMeter(stage) as meter:
+        loss = stage(x).logsumexp(-1).mean()
+        held = meter.live
+        loss.backward()
+    assert held > 2 * 32 * 64 * 4 * MODEL.n_layer and meter.peak == held
+    assert meter.live == 0  # backward released every saved tensor
+
+
+def test_bad_pipeline_shapes_are_clear_errors():
+    with pytest.raises(ValueError, match=r"pp=3 .* needs 3 stages but the model has n_layer=2"):
+        check_pp(3, 2, 4, "gpipe")
+    with pytest.raises(ValueError, match=r"pp=3 .* needs 3 stages"):
+        train_pp(CFG, GPTConfig(n_layer=2), pp=3, impl="scratch")  # before any communication
+    with pytest.raises(ValueError, match=r"schedule='1f1b' needs microbatches >= pp: microbatches=2 < pp=4"):
+        check_pp(4, 4, 2, "1f1b")
+    with pytest.raises(ValueError, match=r"'interleaved' needs 4 stages"):
+        check_pp(2, 3, 4, "interleaved")
+    with pytest.raises(ValueError, match=r"schedule='zb' is unknown; valid schedules"):
+        check_pp(2, 4, 4, "zb")
+    with pytest.raises(ValueError, match=r"microbatches=3 must divide batch_size=8"):
+        check_pp(2, 4, 3, "gpipe", batch_size=8)
+    with pytest.raises(ValueError, match="grad_accum=2 is not used with pipelining"):
+        train_pp(replace(CFG, grad_accum=2), MODEL, pp=1, impl="scratch")
+    check_pp(2, 4, 1, "gpipe")  # GPipe runs with one microbatch (no pipelining, all bubble)
+
+
+def test_one_stage_pipeline_is_plain_training(ref):
+    with one_thread():
+        r = train_pp(replace(CFG, steps=3), MODEL, pp=1, microbatches=M, schedule="1f1b", impl="scratch")
+    assert np.abs(np.array(r["loss"]) - np.array(ref["loss"][:3])).max() < LOSS_TOL
+    assert r["bubble_formula"] == 0.0
+
+
+def test_train_dispatches_tp_and_pp_with_the_same_result_keys():
+    """`python -m labkit.train --strategy tp|pp` goes through labkit.train.train like every strategy."""
+    import numpy as np
+
+    from labkit.model import GPTConfig
+    from labkit.train import TrainConfig, train
+
+    model = GPTConfig(block_size=32)
+    ref = train(TrainConfig(steps=3, lr=1e-3), model)
+    for strategy in ("tp", "pp"):
+        r = train(TrainConfig(strategy=strategy, steps=3, lr=1e-3), model)
+        assert r["strategy"] == strategy and np.abs(np.array(r["loss"]) - np.array(ref["loss"])).max() < 1e-5
+        assert {"loss", "step_time_s", "ranks", "world_size", "n_params", "grad_bytes"} <= set(r)
+    assert "bubble_fraction" in r
+    with pytest.raises(ValueError, match=r"schedule='x' is unknown; valid schedules: \['gpipe', '1f1b', 'interleaved'\]"):
+        TrainConfig(strategy="pp", schedule="x")

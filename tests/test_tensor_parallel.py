@@ -1,0 +1,154 @@
+"""Tensor parallelism (DTensor and hand-written) against single-process training, step by step (fp32, gloo)."""
+from contextlib import contextmanager
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+import tp_pp_fns
+from labkit.launch import launch
+from labkit.model import GPT, GPTConfig
+from labkit.tensor_parallel import (check_tp, comm_bytes_per_layer, params_per_rank, qkv_from_rank_major,
+                                    qkv_to_rank_major, train_tp)
+from labkit.train import TrainConfig, train
+
+MODEL = GPTConfig(block_size=32, n_head=4)
+CFG = TrainConfig(steps=20, batch_size=8, lr=1e-3, return_params=True)  # 3e-3 spikes: see test_pipeline_parallel
+LOSS_TOL = 1e-5
+# A row-parallel matmul sums its inner dimension in two halves and then across ranks: a different
+# order from one process, so gradients differ in the last bits; Adam divides by sqrt(v), which blows
+# such differences up where a gradient is near zero (measured 1e-4 after 20 steps at lr 3e-3). A wrong
+# split is off by ~lr per step.
+PARAM_TOL = 3e-4
+VARIANTS = {"dtensor": {"impl": "dtensor"}, "scratch": {"impl": "scratch"},
+            "dtensor_sp": {"impl": "dtensor", "sequence_parallel": True}}
+
+
+@contextmanager
+def one_thread():
+    # The reference in the pytest process: 2 OpenMP threads on 2 shared cores spin against the ranks.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def ref():
+    with one_thread():
+        return train(CFG, MODEL)
+
+
+@pytest.fixture(scope="module")
+def suite():
+    return launch(tp_pp_fns.tp_suite, CFG, MODEL, list(VARIANTS.values()), world_size=2, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def runs(suite):
+    return [dict(zip(VARIANTS, rank["runs"])) for rank in suite]
+
+
+def _max_param_diff(a, b):
+    assert set(a["params"]) == set(b["params"])
+    return max((a["params"][k] - b["params"][k]).abs().max().item() for k in a["params"])
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_tensor_parallel_matches_single_process_every_step(ref, runs, name):
+    r = runs[0][name]
+    diff = np.abs(np.array(ref["loss"]) - np.array(r["loss"]))
+    assert len(diff) == CFG.steps >= 20 and diff.max() < LOSS_TOL, diff
+    assert _max_param_diff(ref, r) < PARAM_TOL
+    assert runs[1][name]["loss"] == r["loss"]  # both TP ranks report the same global-batch loss
+    assert ref["loss"][-1] < ref["loss"][0] - 0.5
+
+
+def test_hand_written_split_matches_dtensor(runs):
+    d, s = runs[0]["dtensor"], runs[0]["scratch"]
+    assert np.abs(np.array(d["loss"]) - np.array(s["loss"])).max() < 1e-6
+    assert _max_param_diff(d, s) < 5e-5
+
+
+@pytest.mark.parametrize("name", ["dtensor", "scratch"])
+def test_four_all_reduces_of_the_activations_per_layer(runs, name):
+    """Megatron's f and g: per layer 2 all-reduces in forward and 2 in backward, each b*s*h*4 bytes."""
+    r = runs[0][name]
+    bsh = CFG.batch_size * MODEL.block_size * MODEL.n_embd * 4
+    for rank in r["ranks"]:
+        fb = rank["fwd_bwd_comm_bytes_per_step"]
+        assert fb == [{"allreduce": MODEL.n_layer * comm_bytes_per_layer(8, 32, 64)}] * CFG.steps
+        assert fb[0]["allreduce"] == r["comm_formula_bytes_per_step"] == 4 * MODEL.n_layer * bsh
+        assert rank["comm_bytes_per_step"][-1] == {"allreduce": 4 + fb[-1]["allreduce"]}  # + the norm's scalar
+
+
+def test_sequence_parallel_moves_the_same_ring_volume(runs):
+    """All-gather + reduce-scatter instead of all-reduce: equal bytes on the wire per rank (ring model),
+    plus the one all-gather of the last norm's output for the tied head."""
+    sp, tp = runs[0]["dtensor_sp"]["ranks"][0], runs[0]["dtensor"]["ranks"][0]
+    bsh = CFG.batch_size * MODEL.block_size * MODEL.n_embd * 4
+    fb = sp["fwd_bwd_comm_bytes_per_step"][-1]
+    assert fb["allgather_base"] >= 4 * MODEL.n_layer * bsh // 2 and fb["reduce_scatter_base"] > 0
+    ring = fb["allgather_base"] + fb["reduce_scatter_base"] + 2 * fb.get("allreduce", 0)
+    assert ring == 2 * tp["fwd_bwd_comm_bytes_per_step"][-1]["allreduce"] + bsh
+
+
+def test_memory_per_rank_is_the_split_model(runs):
+    for name, r in runs[0].items():
+        for rank in r["ranks"]:
+            got, want = rank["model_state_bytes"], r["predicted_model_state_bytes"]
+            assert got["params"] == got["grads"] == want["params"] == 4 * params_per_rank(MODEL, 2), name
+            assert 0 <= got["optimizer"] - want["optimizer"] <= 4 * 64  # + Adam's 4-byte step counters
+    assert params_per_rank(MODEL, 1) == GPT.count_params(MODEL)
+
+
+def test_fsdp_times_tp_on_a_2x2_mesh_matches_single_process(ref):
+    """2-D: FSDP2 over 2 data-parallel groups of 2 tensor-parallel ranks (4 ranks on CPU)."""
+    cfg = replace(CFG, steps=6)
+    r = launch(train_tp, cfg, MODEL, world_size=4, tp=2, timeout=240, quiet=True)[0]
+    assert (r["tp"], r["dp"]) == (2, 2)
+    assert np.abs(np.array(ref["loss"][:6]) - np.array(r["loss"])).max() < LOSS_TOL
+    states = r["ranks"][0]["model_state_bytes"]
+    assert states["params"] == 2 * params_per_rank(MODEL, 2)  # TP halves, FSDP halves again (4 bytes/param)
+    ops = r["ranks"][0]["comm_bytes_per_step"][-1]
+    # TP's activations (half the rows per data-parallel group) and the norm's three scalars: one over
+    # dp for tensors TP replicates, one over dp then one over tp for the tensors split both ways
+    assert ops["allreduce"] == 3 * 4 + r["comm_formula_bytes_per_step"]
+    assert ops["allgather_base"] > 0 and ops["reduce_scatter_base"] > 0  # FSDP's parameters and gradients
+
+
+def test_f_and_g_operators_against_dtensor_and_the_whole_layer(suite):
+    for r in (rank["mlp"] for rank in suite):
+        for how in ("scratch", "dtensor"):
+            torch.testing.assert_close(r[how]["y"], r["whole"]["y"], rtol=0, atol=1e-6)
+            torch.testing.assert_close(r[how]["dx"], r["whole"]["dx"], rtol=0, atol=1e-6)
+            assert r[how]["fwd"] == {"allreduce": 1} and r[how]["bwd"] == {"allreduce": 1}, how  # g, then f
+            assert r[how]["fwd_bytes"] == r[how]["bwd_bytes"] == {"allreduce": 2 * 8 * 32 * 4}
+        assert r["whole"]["fwd"] == r["whole"]["bwd"] == {}
+
+
+def test_qkv_rows_are_grouped_by_rank_and_back():
+    w = torch.arange(3 * 8 * 2).reshape(24, 2)  # Q, K, V of 8 rows each
+    r = qkv_to_rank_major(w, 2)
+    # rank 0's contiguous half: Q rows 0-3, K rows 8-11, V rows 16-19
+    assert r[:12, 0].tolist() == [2 * i for i in [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19]]
+    assert torch.equal(qkv_from_rank_major(r, 2), w)
+    assert torch.equal(qkv_to_rank_major(w, 1), w)
+
+
+def test_bad_tensor_parallel_degrees_are_clear_errors():
+    with pytest.raises(ValueError, match=r"tp=3 must divide n_head=4.*valid tp values: \[1, 2, 4\]"):
+        check_tp(3, MODEL)
+    with pytest.raises(ValueError, match=r"tp=8 must divide n_head=4"):
+        train_tp(CFG, MODEL, tp=8)  # before any communication
+    with pytest.raises(ValueError, match=r"tp=4 must divide world_size=2"):
+        check_tp(4, MODEL, world_size=2)
+    with pytest.raises(ValueError, match="tp must be a positive integer"):
+        check_tp(0, MODEL)
+    with pytest.raises(ValueError, match="impl='megatron' is unknown"):
+        train_tp(CFG, MODEL, tp=1, impl="megatron")
+    with pytest.raises(ValueError, match="activation_checkpointing='full' is not supported"):
+        train_tp(replace(CFG, activation_checkpointing="full"), MODEL, tp=1)

@@ -1,0 +1,44 @@
+"""Rank functions of the tensor- and pipeline-parallel tests (spawned ranks import them from here)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from labkit.comm import CommCounter
+from labkit.model import GPTConfig, build_model
+from labkit.model_parallel import collectives
+from labkit.tensor_parallel import ColumnParallelLinear, RowParallelLinear, parallelize_dtensor
+
+
+def mlp_three_ways(seed: int = 0) -> dict:
+    """One GPT MLP run whole, split by the hand-written layers, and split by DTensor, on the same input:
+    outputs, input gradients and the collectives each split issued in forward and in backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cfg = GPTConfig(n_embd=32, n_head=2, n_layer=1)
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    x = torch.randn(2, 8, cfg.n_embd, generator=torch.Generator().manual_seed(seed))
+    out = {}
+    for how in ("whole", "scratch", "dtensor"):
+        model = build_model(cfg, seed)
+        mlp = model.blocks[0].mlp
+        if how == "scratch":
+            mlp.fc, mlp.proj = ColumnParallelLinear(mlp.fc, None, tp, rank), RowParallelLinear(mlp.proj, None, tp, rank)
+        elif how == "dtensor":
+            parallelize_dtensor(model, init_device_mesh("cpu", (tp,)))
+        xi = x.clone().requires_grad_()
+        with CommCounter() as fwd:
+            y = mlp(xi)
+        with CommCounter() as bwd:
+            y.pow(2).sum().backward()
+        out[how] = {"y": y.detach(), "dx": xi.grad, "fwd": collectives(fwd.calls), "bwd": collectives(bwd.calls),
+                    "fwd_bytes": collectives(fwd.bytes), "bwd_bytes": collectives(bwd.bytes)}
+    return out
+
+
+def tp_suite(cfg, model_cfg, variants: list[dict]) -> dict:
+    """The TP training runs and the MLP check in one launch (a launch costs seconds on two cores)."""
+    from labkit.model_parallel import run_many
+    from labkit.tensor_parallel import train_tp
+
+    return {"runs": run_many(train_tp, cfg, model_cfg, variants), "mlp": mlp_three_ways()}
