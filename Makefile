@@ -14,13 +14,14 @@ BUILD := _build
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(BUILD)/torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help venv labs lab book test serve lab-ui clean
+.PHONY: help venv labs lab book test serve lab-ui assignments clean
 
 help:
 	@echo "make book              set up .venv, execute every lab (PROFILE=$(PROFILE)), build the HTML book"
 	@echo "make test              set up .venv, run the whole test suite"
 	@echo "make lab LAB=data_parallel PROFILE=cpu|ci|gpu   execute one lab into $(BUILD)/runs/"
 	@echo "make lab-ui            open the labs in JupyterLab"
+	@echo "make assignments       nbgrader student notebooks of the labs' exercises in course/release/"
 	@echo "make serve             serve the built book on http://127.0.0.1:8000"
 
 # Installs only when requirements.txt or pyproject.toml changed. torch goes first and DeepSpeed is
@@ -57,6 +58,10 @@ serve:
 
 lab-ui: $(STAMP)
 	$(VENV)/bin/jupyter lab labs/
+
+# The graded exercises at the end of every lab, as nbgrader assignments (book/instructors.md).
+assignments: $(STAMP)
+	$(PY) -m labkit.assignments
 
 clean:
 	rm -rf $(BUILD) book/labs

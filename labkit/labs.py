@@ -21,6 +21,36 @@ OUT_DIR = ROOT / "book" / "labs"
 
 # One entry per lab; "cpu" must equal the defaults a reader sees in the lab's parameters cell.
 PROFILES: dict[str, dict[str, dict]] = {
+    # lr 1e-3: at 3e-3 the tiny lab models train chaotically (loss spikes), and after a spike even one
+    # process accumulating microbatches departs from its own unaccumulated run (pipeline_parallel lab).
+    "tensor_parallel": {
+        "cpu": dict(device="cpu", world_size=2, steps=30, batch_size=16, lr=1e-3, seed=0, n_layer=2, n_head=4,
+                    n_embd=64, block_size=64, comm_batch_sizes=[4, 8, 16, 32], degrees=[1, 2, 4], sweep_steps=5,
+                    steps_2d=10, bw_model="llama2-70b", bw_tp=8, bw_micro_batch=1, bw_device="h100-80gb", bw_mfu=0.5),
+        "ci": dict(device="cpu", world_size=2, steps=20, batch_size=8, lr=1e-3, seed=0, n_layer=2, n_head=4,
+                   n_embd=64, block_size=32, comm_batch_sizes=[4, 8, 16], degrees=[1, 2, 4], sweep_steps=3,
+                   steps_2d=4, bw_model="llama2-70b", bw_tp=8, bw_micro_batch=1, bw_device="h100-80gb", bw_mfu=0.5),
+        # GPT-2 small (124 M, 12 heads) at context 1024 on 4 GPUs: TP 1/2/4 and a 2 x 2 FSDP x TP mesh.
+        "gpu": dict(device="cuda", world_size=4, steps=100, batch_size=8, lr=6e-4, seed=0, n_layer=12, n_head=12,
+                    n_embd=768, block_size=1024, comm_batch_sizes=[2, 4, 8], degrees=[1, 2, 4], sweep_steps=10,
+                    steps_2d=50, bw_model="llama2-70b", bw_tp=8, bw_micro_batch=1, bw_device="h100-80gb", bw_mfu=0.5),
+    },
+    "pipeline_parallel": {
+        "cpu": dict(device="cpu", world_size=2, steps=30, batch_size=16, lr=1e-3, seed=0, n_layer=4, n_head=2,
+                    n_embd=64, block_size=64, microbatches=4, t_n_layer=4, t_n_embd=128, t_n_head=4, t_block_size=64,
+                    mb_rows=2, bubble_ms=[1, 2, 4, 8, 16], bubble_steps=6, mem_pp=4, mem_microbatches=8,
+                    plan_model="gpt3-175b", plan_devices=1024, plan_global_batch=1536, plan_device_gb=80.0),
+        "ci": dict(device="cpu", world_size=2, steps=20, batch_size=8, lr=1e-3, seed=0, n_layer=4, n_head=2,
+                   n_embd=64, block_size=32, microbatches=4, t_n_layer=4, t_n_embd=128, t_n_head=4, t_block_size=64,
+                   mb_rows=2, bubble_ms=[1, 4, 8], bubble_steps=3, mem_pp=4, mem_microbatches=8,
+                   plan_model="gpt3-175b", plan_devices=1024, plan_global_batch=1536, plan_device_gb=80.0),
+        # GPT-2 small at context 1024, one stage per GPU on 4 GPUs.
+        "gpu": dict(device="cuda", world_size=4, steps=100, batch_size=32, lr=6e-4, seed=0, n_layer=12, n_head=12,
+                    n_embd=768, block_size=1024, microbatches=8, t_n_layer=12, t_n_embd=768, t_n_head=12,
+                    t_block_size=1024, mb_rows=2, bubble_ms=[1, 2, 4, 8, 16, 32], bubble_steps=10, mem_pp=4,
+                    mem_microbatches=8, plan_model="gpt3-175b", plan_devices=1024, plan_global_batch=1536,
+                    plan_device_gb=80.0),
+    },
     "data_parallel": {
         "cpu": dict(device="cpu", world_size=2, steps=40, batch_size=16, lr=3e-3, seed=0,
                     n_layer=2, n_head=2, n_embd=64, block_size=64, bucket_cap_mb=0.1,

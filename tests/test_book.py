@@ -19,7 +19,7 @@ PAGES = {"book/data_parallel.html": 4, "book/labs/data_parallel.html": 3, "book/
          "book/input_pipeline.html": 5, "book/labs/input_pipeline.html": 5,
          "book/packing.html": 7, "book/labs/packing.html": 7,
          "book/fault_tolerance.html": 4, "book/labs/fault_tolerance.html": 3,
-         "book/clusters.html": 2,
+         "book/clusters.html": 2, "book/instructors.html": 0,
          "book/model_parallel.html": 8, "book/labs/tensor_parallel.html": 3, "book/labs/pipeline_parallel.html": 5,
          "book/intro.html": 0}
 

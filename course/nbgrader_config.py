@@ -1,0 +1,26 @@
+# nbgrader configuration of the course directory (nbgrader 0.9; docs: "Configuration options").
+# `make assignments` fills source/ and release/ from the labs' exercise cells; on JupyterHub an
+# instructor runs nbgrader from this directory (book/instructors.md has the commands). Students need
+# the same course id and exchange in their own nbgrader_config.py (the snippet in that chapter).
+import os
+
+c = get_config()  # noqa: F821 - provided by nbgrader when it loads this file
+
+# The folder this file is in is the course directory, wherever it was copied to.
+c.CourseDirectory.root = os.path.dirname(os.path.abspath(__file__))
+c.CourseDirectory.course_id = os.environ.get("NBGRADER_COURSE_ID", "training-at-scale")
+# The exchange is a directory every user's server mounts (a shared volume on JupyterHub): instructors
+# release into it and collect from it, students fetch from it and submit into it.
+c.Exchange.root = os.environ.get("NBGRADER_EXCHANGE", "/srv/nbgrader/exchange")
+c.Exchange.timezone = "UTC"
+
+# Autograding runs each submission in a fresh kernel; a cell that runs longer than this is
+# interrupted and graded as failed, so an infinite loop costs one timeout, not the grading run.
+# The slowest cell, data_parallel's (2 ranks over gloo), takes seconds.
+c.ExecutePreprocessor.timeout = int(os.environ.get("NBGRADER_CELL_TIMEOUT", "300"))
+c.Execute.interrupt_on_timeout = True
+
+# Students see a stub where a solution was; `raise NotImplementedError()` makes an unanswered
+# exercise fail its tests rather than pass by accident.
+c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
+c.ClearSolutions.text_stub = "YOUR ANSWER HERE"

@@ -1,0 +1,228 @@
+"""The labs' graded exercises: nbgrader releases them and autogrades them, headless, from a gradebook.
+
+The labs are split over two temporary course directories that grade side by side (one core each),
+with the committed ``course/nbgrader_config.py``. In each, ``nbgrader generate_assignment`` releases
+the labs, then one ``nbgrader autograde`` grades three submissions of every lab: the instructor's
+own notebook, the unanswered student version, and a planted bug from ``tests/planted_bugs/``. A
+last call, with a short cell timeout, grades a syntax error and an infinite loop. Scores come from
+nbgrader's sqlite gradebook: ``nbgrader validate`` exits 0 even when tests fail.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit.assignments import COURSE_DIR, exercise_cells, generate, main, nbgrader, source_notebook
+from labkit.labs import list_labs
+
+LABS = list_labs()
+PLANTED = Path(__file__).parent / "planted_bugs"
+STUDENTS = ("instructor", "unsolved", "planted")
+LOOP_TIMEOUT_S = 3
+
+
+def planted_solutions(lab: str) -> dict[str, str]:
+    """grade_id -> replacement source of that solution cell, from tests/planted_bugs/<lab>.py."""
+    parts = re.split(r"^# -- grade_id: (\S+) --\n", (PLANTED / f"{lab}.py").read_text(), flags=re.M)
+    return {gid: src.strip() + "\n" for gid, src in zip(parts[1::2], parts[2::2])}
+
+
+def _solution_ids(nb) -> list[str]:
+    return [c.metadata["nbgrader"]["grade_id"] for c in nb.cells
+            if c.cell_type == "code" and c.metadata.get("nbgrader", {}).get("solution")]
+
+
+def _with_solutions(nb, sources: dict[str, str]):
+    nb = nbformat.from_dict(json.loads(json.dumps(nb)))
+    for c in nb.cells:
+        gid = c.metadata.get("nbgrader", {}).get("grade_id")
+        if gid in sources:
+            c.source = sources[gid]
+    return nb
+
+
+def _submit(course: Path, student: str, lab: str, nb) -> None:
+    path = course / "submitted" / student / lab / f"{lab}.ipynb"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+
+
+# Rough seconds to autograde a lab's three submissions here (each notebook is a fresh kernel; torch
+# imports and data_parallel's two ranks dominate). Only used to split the labs over two nbgrader
+# processes that run side by side, one per core.
+COST = {"data_parallel": 36, "activation_checkpointing": 24, "zero_fsdp": 18, "input_pipeline": 12,
+        "tensor_parallel": 12, "pipeline_parallel": 12, "memory": 5 + 12}  # + the bad-input run
+
+
+def _split(labs: list[str]) -> list[list[str]]:
+    groups: list[list[str]] = [[], []]
+    for lab in sorted(labs, key=lambda lab: -COST.get(lab, 5)):
+        min(groups, key=lambda g: sum(COST.get(x, 5) for x in g)).append(lab)
+    return [g for g in groups if g]
+
+
+def _grade(course: Path, labs: list[str]) -> dict:
+    """Release ``labs`` in ``course``, submit three versions of each, autograde them in one call."""
+    shutil.copy(COURSE_DIR / "nbgrader_config.py", course)  # the committed config, as instructors get it
+    t0 = time.perf_counter()
+    generate(labs, course)
+    for lab in labs:
+        release = nbformat.read(course / "release" / lab / f"{lab}.ipynb", as_version=4)
+        _submit(course, "instructor", lab, nbformat.read(course / "source" / lab / f"{lab}.ipynb", as_version=4))
+        _submit(course, "unsolved", lab, release)
+        _submit(course, "planted", lab, _with_solutions(release, planted_solutions(lab)))
+    nbgrader(course, "autograde", "*", "--ExecutePreprocessor.timeout=300")
+    times = {"graded": time.perf_counter() - t0}
+    if "memory" in labs:  # bad input: a syntax error, and a loop that never ends
+        release = nbformat.read(course / "release" / "memory" / "memory.ipynb", as_version=4)
+        (gid,) = _solution_ids(release)
+        _submit(course, "bad_syntax", "memory", _with_solutions(
+            release, {gid: "def zero_bytes_per_device(n_params, world_size, stage, k=12)\n    return 0\n"}))
+        _submit(course, "bad_loop", "memory", _with_solutions(
+            release, {gid: "def zero_bytes_per_device(n_params, world_size, stage, k=12):\n"
+                           "    while True:\n        pass\n"}))
+        t0 = time.perf_counter()
+        nbgrader(course, "autograde", "memory", "--CourseDirectory.student_id=bad_*",
+                 f"--ExecutePreprocessor.timeout={LOOP_TIMEOUT_S}")
+        times["bad"] = time.perf_counter() - t0
+    return times
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nbgrader.api import Gradebook
+
+    groups = _split(LABS)
+    courses = [tmp_path_factory.mktemp(f"course{i}") for i in range(len(groups))]
+    with ThreadPoolExecutor(len(groups)) as pool:
+        times = list(pool.map(_grade, courses, groups))
+    scores: dict = {}
+    course_of = {lab: course for course, labs in zip(courses, groups) for lab in labs}
+    for course, labs in zip(courses, groups):
+        with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
+            for student in (*STUDENTS, "bad_syntax", "bad_loop"):
+                for lab in labs if student in STUDENTS else {"memory"} & set(labs):
+                    sub = gb.find_submission(lab, student)
+                    nb = gb.find_submission_notebook(lab, lab, student)
+                    scores[student, lab] = dict(score=sub.score, max_score=sub.max_score,
+                                                cells={g.name: (g.score, g.max_score) for g in nb.grades})
+    print("\n" + "; ".join(f"{' '.join(g)}: " + ", ".join(f"{k} {v:.1f} s" for k, v in t.items())
+                           for g, t in zip(groups, times)))
+    t_bad = next(t["bad"] for t in times if "bad" in t)
+    return dict(course_of=course_of, scores=scores, t_bad=t_bad)
+
+
+def _autograded(course: Path, student: str, lab: str):
+    return nbformat.read(course / "autograded" / student / lab / f"{lab}.ipynb", as_version=4)
+
+
+def _errors(cell) -> list[str]:
+    return [o.ename for o in cell.get("outputs", []) if o.output_type == "error"]
+
+
+def test_every_lab_has_a_graded_exercise_and_a_planted_bug():
+    for lab in LABS:
+        nb = source_notebook(lab)
+        meta = [c.metadata["nbgrader"] for c in nb.cells if c.cell_type == "code"]
+        assert sum(m.get("points", 0) for m in meta if m["grade"]) >= 2, lab
+        assert any("### BEGIN HIDDEN TESTS" in c.source for c in nb.cells), f"{lab}: no hidden tests"
+        assert all(m["locked"] for m in meta if m["grade"]), f"{lab}: autograder tests must be locked"
+        assert "hide-input" not in str(nb), f"{lab}: book-only tags leaked into the assignment"
+        assert set(planted_solutions(lab)) == set(_solution_ids(nb)), f"{lab}: one planted bug per solution cell"
+
+
+def test_release_has_stubs_and_no_solutions_or_hidden_tests(graded):
+    for lab in LABS:
+        source = nbformat.read(graded["course_of"][lab] / "source" / lab / f"{lab}.ipynb", as_version=4)
+        release = nbformat.read(graded["course_of"][lab] / "release" / lab / f"{lab}.ipynb", as_version=4)
+        released = "\n".join(c.source for c in release.cells)
+        assert "BEGIN SOLUTION" not in released and "HIDDEN TESTS" not in released, lab
+        assert released.count("raise NotImplementedError()") >= len(_solution_ids(source)), lab
+        hidden = [line.strip() for c in source.cells
+                  for block in re.findall(r"### BEGIN HIDDEN TESTS\n(.*?)### END HIDDEN TESTS", c.source, flags=re.S)
+                  for line in block.splitlines() if len(line.strip()) > 20]
+        assert hidden, lab
+        leaked = [line for line in hidden if line in released and line not in _visible_lines(source)]
+        assert not leaked, (lab, leaked)  # no line of a hidden test reaches the students
+
+
+def _visible_lines(nb) -> set[str]:
+    text = "\n".join(re.sub(r"### BEGIN HIDDEN TESTS\n.*?### END HIDDEN TESTS", "", c.source, flags=re.S)
+                     for c in nb.cells)
+    return {line.strip() for line in text.splitlines()}
+
+
+def test_instructor_version_scores_full_marks(graded):
+    for lab in LABS:
+        s = graded["scores"]["instructor", lab]
+        assert s["max_score"] > 0 and s["score"] == s["max_score"], (lab, s)
+        assert all(score == top for score, top in s["cells"].values()), (lab, s["cells"])
+
+
+def test_unsolved_version_runs_and_scores_zero(graded):
+    for lab in LABS:
+        s = graded["scores"]["unsolved", lab]
+        assert s["score"] == 0 and s["max_score"] > 0, (lab, s)
+        assert all(score == 0 for score, _ in s["cells"].values()), (lab, s["cells"])
+        nb = _autograded(graded["course_of"][lab], "unsolved", lab)
+        for c in nb.cells:  # outside the autograder tests, nothing failed: only the exercise is missing
+            if c.cell_type == "code" and not c.metadata.get("nbgrader", {}).get("grade"):
+                assert not _errors(c), (lab, c.source[:80], _errors(c))
+        assert any(_errors(c) for c in nb.cells if c.cell_type == "code"), lab
+
+
+def test_planted_bug_scores_less_than_full(graded):
+    for lab in LABS:
+        s = graded["scores"]["planted", lab]
+        assert 0 <= s["score"] < s["max_score"], (lab, s)
+
+
+def test_syntax_error_and_infinite_loop_are_graded_zero_not_a_crash(graded):
+    for student, expect in (("bad_syntax", "SyntaxError"), ("bad_loop", "CellTimeoutError|KeyboardInterrupt")):
+        s = graded["scores"][student, "memory"]
+        assert s["score"] == 0 and s["max_score"] > 0, (student, s)
+        nb = _autograded(graded["course_of"]["memory"], student, "memory")
+        names = [e for c in nb.cells if c.cell_type == "code" for e in _errors(c)]
+        assert any(re.fullmatch(expect, e) for e in names), (student, names)
+    # Two test cells each call the looping function: two timeouts, not one per notebook cell forever.
+    assert graded["t_bad"] < 60 + 4 * LOOP_TIMEOUT_S, graded["t_bad"]
+
+
+def test_validator_passes_the_instructor_notebook_and_fails_the_students(graded):
+    from nbgrader.validator import Validator
+
+    v = Validator()
+    v.execute_timeout = 60
+    ok = v.validate(str(graded["course_of"]["memory"] / "source" / "memory" / "memory.ipynb"))
+    assert not ok.get("failed") and not ok.get("changed"), ok
+    bad = v.validate(str(graded["course_of"]["memory"] / "release" / "memory" / "memory.ipynb"))
+    assert bad.get("failed"), bad
+
+
+def test_bad_lab_and_missing_exercise_are_named(tmp_path):
+    with pytest.raises(ValueError, match=re.escape(f"lab='nope' does not exist; valid labs: {LABS}")):
+        exercise_cells("nope")
+    (tmp_path / "bare.md").write_text("# Lab: bare\n\n```{code-cell} ipython3\nx = 1\n```\n")
+    with pytest.raises(ValueError, match="has no cells tagged 'exercise'"):
+        exercise_cells("bare", tmp_path)
+    with pytest.raises(ValueError, match="has no nbgrader_config.py"):
+        nbgrader(tmp_path, "--version")
+    assert main(["nope", "--course", str(tmp_path), "--source-only"]) == 1
+
+
+def test_course_config_reads_course_id_and_exchange_from_the_environment(monkeypatch):
+    from traitlets.config.loader import PyFileConfigLoader
+
+    monkeypatch.setenv("NBGRADER_EXCHANGE", "/mnt/exchange")
+    monkeypatch.setenv("NBGRADER_COURSE_ID", "tas-2026")
+    cfg = PyFileConfigLoader("nbgrader_config.py", path=str(COURSE_DIR)).load_config()
+    assert cfg.Exchange.root == "/mnt/exchange" and cfg.CourseDirectory.course_id == "tas-2026"
+    assert cfg.CourseDirectory.root == str(COURSE_DIR) and cfg.ExecutePreprocessor.timeout > 0
