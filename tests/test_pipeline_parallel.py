@@ -1,12 +1,12 @@
 """Pipeline parallelism (torch.distributed.pipelining and hand-written) against single-process training,
 and the instruments: timeline, bubble, activation memory per stage."""
-from contextlib import contextmanager
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
+from tp_pp_fns import one_thread
 from labkit.launch import launch
 from labkit.model import GPT, GPTConfig, build_model
 from labkit.model_parallel import run_many
@@ -30,17 +30,6 @@ VARIANTS = {"torch_gpipe": dict(impl="torch", schedule="gpipe"), "torch_1f1b": d
             "scratch_gpipe": dict(impl="scratch", schedule="gpipe"),
             "scratch_1f1b": dict(impl="scratch", schedule="1f1b"),
             "torch_interleaved": dict(impl="torch", schedule="interleaved")}
-
-
-@contextmanager
-def one_thread():
-    # The reference in the pytest process: 2 OpenMP threads on 2 shared cores spin against the ranks.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,4 @@
 """Tensor parallelism (DTensor and hand-written) against single-process training, step by step (fp32, gloo)."""
-from contextlib import contextmanager
 from dataclasses import replace
 
 import numpy as np
@@ -7,6 +6,7 @@ import pytest
 import torch
 
 import tp_pp_fns
+from tp_pp_fns import one_thread
 from labkit.launch import launch
 from labkit.model import GPT, GPTConfig
 from labkit.tensor_parallel import (check_tp, comm_bytes_per_layer, params_per_rank, qkv_from_rank_major,
@@ -23,17 +23,6 @@ LOSS_TOL = 1e-5
 PARAM_TOL = 3e-4
 VARIANTS = {"dtensor": {"impl": "dtensor"}, "scratch": {"impl": "scratch"},
             "dtensor_sp": {"impl": "dtensor", "sequence_parallel": True}}
-
-
-@contextmanager
-def one_thread():
-    # The reference in the pytest process: 2 OpenMP threads on 2 shared cores spin against the ranks.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

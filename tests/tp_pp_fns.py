@@ -1,6 +1,8 @@
 """Rank functions of the tensor- and pipeline-parallel tests (spawned ranks import them from here)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 
@@ -42,3 +44,15 @@ def tp_suite(cfg, model_cfg, variants: list[dict]) -> dict:
     from labkit.tensor_parallel import train_tp
 
     return {"runs": run_many(train_tp, cfg, model_cfg, variants), "mlp": mlp_three_ways()}
+
+
+@contextmanager
+def one_thread():
+    """The single-process reference in the pytest process: 2 OpenMP threads on 2 shared cores spin
+    against the ranks (measured: up to 10x slower under load)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
