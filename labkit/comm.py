@@ -113,6 +113,12 @@ class CommCounter(TorchDispatchMode):
     """
 
     NAMESPACES = ("c10d", "_c10d_functional")
+    # DTensor's functional collectives are followed by a wait_tensor on their result and wrapped for
+    # autograd: ops in these namespaces that move no data (counting them would double the bytes).
+    NO_DATA = ("wait_tensor", "wrap_tensor_autograd")
+    # The functional collectives under the c10d names that ring_volume and the labs use.
+    C10D_NAME = {"all_reduce": "allreduce", "all_gather_into_tensor": "allgather_base",
+                 "reduce_scatter_tensor": "reduce_scatter_base"}
 
     def __init__(self) -> None:
         super().__init__()
@@ -122,8 +128,10 @@ class CommCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace in self.NAMESPACES:
             name = func._schema.name.split("::")[-1].rstrip("_").lstrip("_")
-            self.calls[name] += 1
-            self.bytes[name] += _payload_bytes(name, args)
+            if name not in self.NO_DATA:
+                name = self.C10D_NAME.get(name, name)
+                self.calls[name] += 1
+                self.bytes[name] += _payload_bytes(name, args)
         return func(*args, **(kwargs or {}))
 
     @property

@@ -20,23 +20,6 @@ from labkit.comm import CommCounter, ring_volume
 from labkit.memory_probe import measured_model_states
 
 PRECISIONS = ("fp32", "bf16")
-# Ops in CommCounter's namespaces that move no data: DTensor's functional collectives are followed by
-# a wait_tensor on their result and wrapped for autograd; counting those would double the bytes.
-NOT_COLLECTIVES = ("wait_tensor", "wrap_tensor_autograd")
-# The functional collectives' names, as the c10d ops that ``labkit.comm.ring_volume`` knows.
-C10D_NAME = {"all_reduce": "allreduce", "all_gather_into_tensor": "allgather_base",
-             "reduce_scatter_tensor": "reduce_scatter_base"}
-
-
-def collectives(by_op: dict) -> dict:
-    """``CommCounter.bytes`` (or ``.calls``) without the ops that move no data, under c10d names."""
-    out: dict = {}
-    for k, v in by_op.items():
-        if k not in NOT_COLLECTIVES:
-            out[C10D_NAME.get(k, k)] = out.get(C10D_NAME.get(k, k), 0) + v
-    return out
-
-
 def check_config(cfg, strategy: str) -> None:
     """The parts of a ``TrainConfig`` the model-parallel loops do not implement: clear errors."""
     if cfg.precision not in PRECISIONS:
@@ -150,12 +133,26 @@ class StepRecorder:
             yield counter
         _sync(self.device)
         self.times.append(time.perf_counter() - t0)
-        self.comm.append(collectives(counter.bytes))
-        self.calls.append(collectives(counter.calls))
+        self.comm.append(dict(counter.bytes))
+        self.calls.append(dict(counter.calls))
 
     def measure_states(self, model, opt) -> None:
         """Call between the optimizer step and ``zero_grad``: what the rank holds at its fullest."""
         self.states = measured_model_states(model, opt)
+
+    def optimizer_step(self, model, opt, sched, params: list[torch.Tensor], cfg, last: bool,
+                       groups_of: Callable[[torch.Tensor], tuple] = dtensor_groups,
+                       skip: Iterable[torch.Tensor] = ()) -> None:
+        """The end of every step, as ``labkit.train``: clip over the split parameters, step Adam and
+        the schedule, measure the model states on the last step, free the gradients."""
+        if cfg.grad_clip:
+            clip_grad_norm_(params, cfg.grad_clip, groups_of, skip=skip)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        if last:
+            self.measure_states(model, opt)
+        opt.zero_grad(set_to_none=True)
 
     def rank_figures(self, rank: int, world: int, **extra) -> dict:
         s = self.states

@@ -274,15 +274,10 @@ def train_pp(cfg, model_cfg: GPTConfig | None = None, corpus: str | None = None,
             if tied_group is not None and (first is not None or last is not None):
                 tied = first.wte.weight if first is not None else last.head.weight
                 dist.all_reduce(tied.grad, group=tied_group)
-            if cfg.grad_clip:  # stages hold disjoint parameters: sum squares over all; the head copy is skipped
-                mp.clip_grad_norm_(params, cfg.grad_clip, lambda p: (None,) if world > 1 else (),
-                                   skip=[last.head.weight] if last is not None and pp > 1 else [])
-            opt.step()
-            if lr_sched is not None:
-                lr_sched.step()
-            if step == cfg.steps - 1:
-                rec.measure_states(holder, opt)
-            opt.zero_grad(set_to_none=True)
+            # stages hold disjoint parameters: clip over the squares summed on all; the head copy is skipped
+            rec.optimizer_step(holder, opt, lr_sched, params, cfg, step == cfg.steps - 1,
+                               lambda p: (None,) if world > 1 else (),
+                               skip=[last.head.weight] if last is not None and pp > 1 else [])
         peaks.append(meter.peak)
         loss = torch.stack(mb_losses).mean() if last is not None else torch.zeros((), device=device)
         if world > 1:

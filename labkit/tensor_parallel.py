@@ -309,15 +309,8 @@ def train_tp(cfg, model_cfg: GPTConfig | None = None, corpus: str | None = None,
                     micro_loss.backward()
                     loss += micro_loss.detach()
             mp.reduce_partial_grads(params)
-            if cfg.grad_clip:
-                mp.clip_grad_norm_(params, cfg.grad_clip, groups_of)
-            opt.step()
-            if sched is not None:
-                sched.step()
-            if step == cfg.steps - 1:
-                rec.measure_states(model, opt)
-            opt.zero_grad(set_to_none=True)
-        fb_comm.append(mp.collectives(fb.bytes))
+            rec.optimizer_step(model, opt, sched, params, cfg, step == cfg.steps - 1, groups_of)
+        fb_comm.append(dict(fb.bytes))
         if dp > 1:  # every TP rank of a data-parallel group holds the same loss
             dist.all_reduce(loss, group=dp_group)
             loss /= dp

@@ -8,7 +8,6 @@ import torch.distributed as dist
 
 from labkit.comm import CommCounter
 from labkit.model import GPTConfig, build_model
-from labkit.model_parallel import collectives
 from labkit.tensor_parallel import ColumnParallelLinear, RowParallelLinear, parallelize_dtensor
 
 
@@ -33,8 +32,8 @@ def mlp_three_ways(seed: int = 0) -> dict:
             y = mlp(xi)
         with CommCounter() as bwd:
             y.pow(2).sum().backward()
-        out[how] = {"y": y.detach(), "dx": xi.grad, "fwd": collectives(fwd.calls), "bwd": collectives(bwd.calls),
-                    "fwd_bytes": collectives(fwd.bytes), "bwd_bytes": collectives(bwd.bytes)}
+        out[how] = {"y": y.detach(), "dx": xi.grad, "fwd": dict(fwd.calls), "bwd": dict(bwd.calls),
+                    "fwd_bytes": dict(fwd.bytes), "bwd_bytes": dict(bwd.bytes)}
     return out
 
 
