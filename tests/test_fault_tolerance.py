@@ -342,3 +342,14 @@ def test_deepspeed_checkpoints_go_through_the_same_checkpointer(tmp_path):
                  quiet=True)[0]
     assert out["start_step"] == 2 and "skipped step 4: refused to load" in out["notes"][0]
     assert out["bit_exact"] and out["loss_equal"] and not (tmp_path / "pwned").exists()
+
+
+def test_checkpoint_benchmark_measures_a_restorable_state(tmp_path):
+    from labkit.checkpoint_bench import measure
+
+    r = measure(GPTConfig(block_size=16), tmp_path, repeats=1)
+    assert r["restored_identical"] and r["state_gb"] > 0 and r["restore_s"] > 0
+    assert r["bench"]["async"]["blocking_s"] <= r["bench"]["async"]["total_s"]
+    assert set(r["hash_gbps"]) == {"xxh3_64", "crc32", "sha256"}
+    with pytest.raises(ValueError, match="repeats must be a positive integer, got 0"):
+        measure(GPTConfig(block_size=16), tmp_path, repeats=0)
