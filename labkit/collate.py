@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from labkit.model import build_model
-from labkit.packing import make_batches
+from labkit.batching import make_batches
 
 IGNORE = -100  # F.cross_entropy's default ignore_index
 PAD_DOC = -1  # doc id of padding: attends only to padding, never seen by a real token

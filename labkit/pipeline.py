@@ -17,15 +17,14 @@ counts as busy. The report puts that busy share beside the throughput of useful 
 
 :func:`analytic_wait_fraction` is the steady state of a loader with known costs, the bound the
 tests hold the measurement to. The workload datasets the lab starves and un-starves the model with
-live in :mod:`labkit.pipeline_data`.
+live in :mod:`labkit.pipeline_data`; the background prefetcher that takes loading off the
+critical path, in :mod:`labkit.prefetch`.
 """
 from __future__ import annotations
 
 import math
-import queue
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -33,6 +32,8 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
+
+from labkit.prefetch import batch_tensors, to_device
 
 # TensorFlow profiler, op_stats_to_input_pipeline_analysis.cc: 5% and 20% of step time.
 MODERATE, HIGH = 0.05, 0.20
@@ -182,30 +183,9 @@ def analytic_wait_fraction(load_s: float, compute_s: float, num_workers: int) ->
     return max(0.0, per_batch - compute_s) / max(compute_s, per_batch)
 
 
-def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """The batch with every tensor moved to ``device`` (tuples, lists and dicts walked)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device, non_blocking) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
-    return batch
-
-
-def _tensors(batch: Any) -> list[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    if isinstance(batch, (list, tuple)):
-        return [t for b in batch for t in _tensors(b)]
-    if isinstance(batch, dict):
-        return [t for v in batch.values() for t in _tensors(v)]
-    return []
-
-
 def count_tokens(batch: Any, pad_id: int | None = None) -> tuple[int, int]:
     """``(tokens, useful tokens)`` of the first integer tensor in the batch (the input ids)."""
-    ids = next((t for t in _tensors(batch) if not t.is_floating_point()), None)
+    ids = next((t for t in batch_tensors(batch) if not t.is_floating_point()), None)
     if ids is None:
         return 0, 0
     useful = ids.numel() if pad_id is None else int((ids != pad_id).sum())
@@ -262,7 +242,7 @@ def measure_stalls(
             break
         t1 = time.perf_counter()
         if cuda:
-            host = [t for t in _tensors(batch) if t.device.type == "cpu"]
+            host = [t for t in batch_tensors(batch) if t.device.type == "cpu"]
             pinned = all(t.is_pinned() for t in host) if host else None
             # The GPU copies page-locked memory by DMA, asynchronously; pageable memory is first
             # staged by the driver through a pinned buffer, and the copy is synchronous (NVIDIA,
@@ -292,77 +272,3 @@ def measure_stalls(
         raise ValueError(f"the loader yielded {len(records)} batches, not more than warmup={warmup}; "
                          "use a longer loader or a smaller warmup")
     return StallReport(records, warmup, str(dev), pinned)
-
-
-@dataclass
-class _OnDevice:
-    batch: Any
-    ready: Any  # torch.cuda.Event recorded after the copy on the side stream
-
-
-class BackgroundPrefetcher:
-    """Pull batches from ``loader`` on a background thread, ``depth`` ahead of the training loop.
-
-    Moves loading off the critical path without worker processes: it overlaps waits that release
-    the GIL (file and network reads, sleeps, most of torch's C++ ops) with compute, but not pure
-    Python work, which the GIL serializes. With ``device`` on CUDA it also copies each batch from
-    pinned memory on a side stream, so the copy of batch k+1 overlaps the compute of batch k (the
-    ``data_prefetcher`` of NVIDIA Apex's ImageNet example).
-    """
-
-    _END = object()
-
-    def __init__(self, loader: Iterable, depth: int = 2, device: str | None = None) -> None:
-        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
-            raise ValueError(f"depth must be a positive integer, got {depth!r}")
-        self.loader, self.depth = loader, depth
-        self.device = torch.device(device) if device is not None else None
-        if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' but CUDA is not available; use device=None or 'cpu'")
-
-    def _fill(self, q: queue.Queue, stop: threading.Event) -> None:
-        stream = torch.cuda.Stream(self.device) if self.device is not None and self.device.type == "cuda" else None
-        try:
-            for batch in self.loader:
-                if stream is not None:
-                    with torch.cuda.stream(stream):
-                        batch = to_device(batch, self.device, non_blocking=True)
-                        done = torch.cuda.Event()
-                        done.record(stream)
-                    batch = _OnDevice(batch, done)
-                while not stop.is_set():
-                    try:
-                        q.put(batch, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            q.put(self._END)
-        except BaseException as e:  # noqa: BLE001 - re-raised on the consumer's thread
-            q.put(e)
-
-    def __iter__(self) -> Iterator:
-        q: queue.Queue = queue.Queue(maxsize=self.depth)
-        stop = threading.Event()
-        t = threading.Thread(target=self._fill, args=(q, stop), daemon=True)
-        t.start()
-        try:
-            while True:
-                item = q.get()
-                if item is self._END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                if isinstance(item, _OnDevice):
-                    main = torch.cuda.current_stream(self.device)
-                    main.wait_event(item.ready)
-                    for t in _tensors(item.batch):
-                        # Memory allocated on the side stream is now used on the main one: tell
-                        # the caching allocator, or it may reuse the block too early.
-                        t.record_stream(main)
-                    item = item.batch
-                yield item
-        finally:
-            stop.set()
-            t.join(timeout=5)

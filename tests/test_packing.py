@@ -1,4 +1,4 @@
-"""labkit.packing and labkit.collate: valid, near-optimal packing, and packed == unpacked training."""
+"""labkit.packing, labkit.batching and labkit.collate: valid, near-optimal packing, and packed == unpacked training."""
 import math
 import subprocess
 import sys
@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from labkit.batching import POLICIES, Batch, compare_policies, make_batches, padding_stats
 from labkit.collate import IGNORE, collate, segments
 from labkit.model import GPTConfig, build_model
-from labkit.packing import POLICIES, Batch, compare_policies, lower_bound, make_batches, pack, padding_stats
+from labkit.packing import lower_bound, pack
 
 ROOT = Path(__file__).resolve().parent.parent
 
