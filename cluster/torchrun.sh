@@ -2,7 +2,8 @@
 # Run the labkit training loop on one node with torchrun.
 #   NPROC      processes (default: one per GPU, or 2 on a CPU-only machine)
 #   DEVICE     cuda | cpu (default: cuda when a GPU is visible)
-#   STRATEGY   single | ddp | fsdp | zero1 | zero2 | zero3 | dp_naive | dp_bucketed | zero1_scratch (default: ddp)
+#   STRATEGY   single | ddp | fsdp | zero1 | zero2 | zero3 | dp_naive | dp_bucketed | zero1_scratch | tp | pp
+#              (default: ddp; tp and pp take --tp, --pp, --microbatches and --schedule after the script name)
 #   STEPS, SEED, METRICS, and any extra flags of `python -m labkit.train` after the script name.
 set -euo pipefail
 PY=${PYTHON:-python}

@@ -12,36 +12,56 @@ names the lab, into nbgrader *source* notebooks ``course/source/<lab>/<lab>.ipyn
 ``nbgrader generate_assignment`` into ``course/release/``: the student notebooks, solutions replaced
 by stubs, hidden tests stripped. ``course/nbgrader_config.py`` makes ``course/`` a course directory
 an instructor can use on JupyterHub as it is; ``book/instructors.md`` has the commands.
+
+The book wraps the exercise in sphinx-exercise's gated directives (``exercise-start`` ...
+``exercise-end``, ``solution-start`` ... ``solution-end``), in markdown cells tagged ``book-only``.
+Jupyter would show those as raw MyST text, so they never reach an assignment: cells tagged
+``book-only`` are dropped even when tagged ``exercise`` too, and an exercise cell that holds such a
+directive is an error.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from labkit.labs import LABS_DIR, ROOT, list_labs
 
+if TYPE_CHECKING:
+    from nbformat import NotebookNode
+
 COURSE_DIR = ROOT / "course"
 TAG = "exercise"
+# Cells for the book alone: the gated directives that frame the exercise and collapse its solution.
+BOOK_ONLY = "book-only"
 # The book collapses these cells; in a student's notebook the tag would only be noise.
-BOOK_ONLY_TAGS = {"hide-input", "hide-output", "hide-cell", "remove-input"}
+DISPLAY_TAGS = {"hide-input", "hide-output", "hide-cell", "remove-input"}
+# sphinx-exercise's directives, as a MyST fence opens them (``` or ~~~ or :::, any length).
+_DIRECTIVE = re.compile(r"^\s*(`{3,}|~{3,}|:{3,})\s*\{(exercise|solution)(-start|-end)?\}", re.M)
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 
 
-def exercise_cells(lab: str, labs_dir: Path = LABS_DIR) -> list:
+def exercise_cells(lab: str, labs_dir: Path = LABS_DIR) -> list[NotebookNode]:
     """The lab's cells tagged ``exercise``, checked to make a gradable nbgrader assignment."""
     import jupytext
 
     src = labs_dir / f"{lab}.md"
     if not src.is_file():
         raise ValueError(f"lab={lab!r} does not exist; valid labs: {list_labs(labs_dir)}")
-    cells = [c for c in jupytext.read(src).cells if TAG in c.metadata.get("tags", [])]
+    cells = [c for c in jupytext.read(src).cells
+             if TAG in c.metadata.get("tags", []) and BOOK_ONLY not in c.metadata.get("tags", [])]
     where = f"labs/{lab}.md" if labs_dir == LABS_DIR else str(src)
     if not cells:
         raise ValueError(f"{where} has no cells tagged {TAG!r}: every lab needs a graded exercise")
+    for c in cells:  # in a student's notebook the directive would show as raw MyST source
+        if c.cell_type == "markdown" and _DIRECTIVE.search(c.source):
+            raise ValueError(f"{where}: a markdown cell tagged {TAG!r} holds a sphinx-exercise directive "
+                             f"({c.source.strip()[:60]!r}); put it in a cell of its own, tagged {BOOK_ONLY!r}")
     meta = [c.metadata.get("nbgrader") for c in cells if c.cell_type == "code"]
     if any(m is None for m in meta):
         raise ValueError(f"{where}: every code cell tagged {TAG!r} needs nbgrader metadata "
@@ -68,13 +88,13 @@ def lab_title(lab: str, labs_dir: Path = LABS_DIR) -> str:
     return lab
 
 
-def source_notebook(lab: str, labs_dir: Path = LABS_DIR):
+def source_notebook(lab: str, labs_dir: Path = LABS_DIR) -> NotebookNode:
     """The nbgrader source notebook of ``lab``: a header cell, then the lab's exercise cells."""
     import nbformat
 
     cells = [copy.deepcopy(c) for c in exercise_cells(lab, labs_dir)]
     for c in cells:
-        c.metadata["tags"] = [t for t in c.metadata.get("tags", []) if t not in BOOK_ONLY_TAGS]
+        c.metadata["tags"] = [t for t in c.metadata.get("tags", []) if t not in DISPLAY_TAGS]
         if c.cell_type == "code":
             c.outputs, c.execution_count = [], None
     points = sum(c.metadata["nbgrader"].get("points", 0) for c in cells if c.cell_type == "code")

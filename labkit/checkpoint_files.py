@@ -16,11 +16,14 @@ import pickle
 import warnings
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 # DCP warns on every save and load without a process group; one process is a supported case here.
 # (A module-level filter: warnings.catch_warnings is not thread-safe, and async saves run in a thread.)
@@ -62,6 +65,18 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_tree(root: Path) -> None:
+    """Flush every file under ``root`` and the directories holding them, deepest first."""
+    for d, _, names in sorted(os.walk(root), key=lambda w: -w[0].count(os.sep)):
+        for n in names:
+            fd = os.open(os.path.join(d, n), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(d))
+
+
 def write_durably(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
@@ -86,7 +101,7 @@ class MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refused to load {module}.{name} from a checkpoint's DCP metadata")
 
 
-def read_metadata(path: Path):
+def read_metadata(path: Path) -> Metadata:
     with open(path / ".metadata", "rb") as f:
         md = MetadataUnpickler(f).load()
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -98,7 +113,7 @@ def read_metadata(path: Path):
 
 
 class SafeReader(dcp.FileSystemReader):
-    def read_metadata(self, *args: Any, **kwargs: Any):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         md = read_metadata(Path(self.path))
@@ -145,7 +160,7 @@ def tensor_keys(skel: Any) -> set[str]:
     return set()
 
 
-def deepspeed_safe_globals() -> list:
+def deepspeed_safe_globals() -> list[type]:
     """Plain-data classes DeepSpeed's ZeRO checkpoints pickle (found by loading them weights-only)."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum

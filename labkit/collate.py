@@ -20,8 +20,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from labkit.model import build_model
 from labkit.batching import make_batches
+from labkit.model import GPTConfig, build_model
+from labkit.packing import positive_int
 
 IGNORE = -100  # F.cross_entropy's default ignore_index
 PAD_DOC = -1  # doc id of padding: attends only to padding, never seen by a real token
@@ -87,7 +88,7 @@ def collate(rows: Sequence[Sequence[int]], docs: Sequence[torch.Tensor], capacit
 
 
 def train_policies(policies: Sequence[str], lengths: Sequence[int], docs: Sequence[torch.Tensor], capacity: int,
-                   model_cfg, batch_size: int, megabatch: int, lr: float, steps: int, warmup: int = 0,
+                   model_cfg: GPTConfig, batch_size: int, megabatch: int, lr: float, steps: int, warmup: int = 0,
                    seed: int = 0, device: str = "cpu") -> dict:
     """Train the GPT on each batching policy's own batches and measure its useful throughput.
 
@@ -97,6 +98,11 @@ def train_policies(policies: Sequence[str], lengths: Sequence[int], docs: Sequen
     document. Per policy: real (non-pad) tokens, token slots, seconds, losses, real tokens/s, slots/s,
     the padding fraction and the median step in ms (``warmup`` steps excluded).
     """
+    positive_int("steps", steps)
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be a non-negative integer (steps left out of the figures), got {warmup!r}")
+    if not policies:
+        raise ValueError("policies is empty; pass some of labkit.batching.POLICIES")
     dev = torch.device(device)
 
     def sync() -> None:

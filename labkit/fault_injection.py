@@ -31,9 +31,13 @@ class Fault:
     target: int | str = 1  # a rank of the current attempt, or "agent" (the torchrun process)
 
     def __post_init__(self) -> None:
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
+            raise ValueError(f"step={self.step!r} must be a non-negative integer (the training step after which "
+                             "the fault fires)")
         if self.signal not in ("SIGKILL", "SIGTERM", "SIGUSR1"):
             raise ValueError(f"signal={self.signal!r} is unknown; valid: ['SIGKILL', 'SIGTERM', 'SIGUSR1']")
-        if self.target != "agent" and not (isinstance(self.target, int) and self.target >= 0):
+        if self.target != "agent" and not (isinstance(self.target, int) and not isinstance(self.target, bool)
+                                           and self.target >= 0):
             raise ValueError(f"target={self.target!r} must be a rank (int >= 0) or 'agent'")
 
 

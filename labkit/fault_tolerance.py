@@ -42,7 +42,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from labkit.checkpoint_files import (HASHES, SafeReader, deepspeed_safe_globals, describe, file_digest, fill,
-                                     fsync_dir, read_metadata, scan_weights_only, split, tensor_keys, write_durably)
+                                     fsync_dir, fsync_tree, read_metadata, scan_weights_only, split, tensor_keys,
+                                     write_durably)
 
 LOCAL = "local"  # state[LOCAL]: this rank's own values, saved per rank and restored only on the same world size
 MANIFEST, LATEST = "manifest.json", "latest"
@@ -198,6 +199,7 @@ class Checkpointer:
                          process_group=self.pg, no_dist=not self.dist)
             for key, eng in engines.items():  # collective inside DeepSpeed (its default group)
                 eng.save_checkpoint(str(tmp / key), tag="ckpt", save_latest=False)
+                fsync_tree(tmp / key)  # DeepSpeed's torch.save calls do not fsync
             write_durably(tmp / f"rank{self.rank}.pt", rank_file)
         except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - every rank must learn of it
             err = e
@@ -340,6 +342,10 @@ class Checkpointer:
             flat: dict = {}
             split({k: v for k, v in template.items() if k != LOCAL and not _is_engine(v)}, (), flat)
             flat = {k: v for k, v in flat.items() if k in wanted}
+            missing = sorted(wanted - set(flat))
+            if missing:  # a template of another model or optimizer: refuse rather than fill in None
+                raise CheckpointError(f"step {step} holds {len(missing)} tensor(s) the template lacks, e.g. "
+                                      f"{missing[:3]}; pass a template built like the saved state, or no template")
             if flat:
                 dcp.load(flat, storage_reader=SafeReader(path), process_group=self.pg, no_dist=not self.dist)
             for key in saved["engines"]:

@@ -190,6 +190,37 @@ def resolve(lab: str, profile: str = "cpu", **overrides) -> dict:
     return p
 
 
+def train_flags(lab: str, profile: str, world_size: int) -> list[str]:
+    """The ``python -m labkit.train`` flags a lab profile sets (model shape, batch, steps, lr, seed...),
+    for batch scripts that train at a lab's size. Device and world size are the scheduler's to say,
+    so they are left out, and nothing here looks for GPUs (a login node has none)."""
+    from dataclasses import fields
+
+    from labkit.model import GPTConfig
+    from labkit.train import TrainConfig
+
+    if lab not in PROFILES:
+        raise ValueError(f"LAB={lab!r} has no profiles; labs with profiles: {sorted(PROFILES)}")
+    if profile not in PROFILES[lab]:
+        raise ValueError(f"PROFILE={profile!r} is unknown for lab {lab!r}; valid profiles: {list(PROFILES[lab])}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    p = dict(PROFILES[lab][profile])
+    if p.get("batch_size") == "8 per rank":
+        p["batch_size"] = 8 * world_size
+    known = {f.name: f.default for f in (*fields(TrainConfig), *fields(GPTConfig))}
+    flags: list[str] = []
+    for k, v in p.items():
+        if k not in known or k in ("device", "world_size"):
+            continue
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            flags.append(flag if v else "--no-" + k.replace("_", "-"))
+        elif isinstance(v, (int, float, str)):
+            flags += [flag, str(v)]
+    return flags
+
+
 def list_labs(labs_dir: Path = LABS_DIR) -> list[str]:
     return sorted(p.stem for p in labs_dir.glob("*.md"))
 
@@ -257,7 +288,18 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--force", action="store_true", help="re-run even when nothing changed")
     sub.add_parser("list", help="list the labs")
     sub.add_parser("profiles", help="print every lab's profiles")
+    f = sub.add_parser("flags", help="print the labkit.train flags of a lab's profile (for batch scripts)")
+    f.add_argument("lab")
+    f.add_argument("profile")
+    f.add_argument("--world-size", type=int, required=True, help="ranks in all (for per-rank batch sizes)")
     args = ap.parse_args(argv)
+    if args.cmd == "flags":
+        try:
+            print(" ".join(train_flags(args.lab, args.profile, args.world_size)))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        return 0
     if args.cmd == "list":
         print(" ".join(list_labs()))
         return 0

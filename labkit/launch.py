@@ -116,16 +116,13 @@ def launch(
 
     ``quiet=True`` silences the ranks' stdout and stderr; errors still come back with tracebacks.
     ``slurm={"nodes": 2, "tasks_per_node": 4, "partition": "gpu"}`` runs the same call as a Slurm
-    job instead (:func:`labkit.slurm_launch.launch_slurm`); ``world_size`` is then nodes x tasks.
+    job instead (:func:`labkit.slurm_launch.launch_slurm`); ``world_size`` is then nodes x tasks,
+    and a key that is not one of ``launch_slurm``'s options is an error, raised before submitting.
     """
     if slurm is not None:
-        from labkit.slurm_launch import launch_slurm
+        from labkit.slurm_launch import check_slurm_options, launch_slurm
 
-        opts = dict(slurm)
-        opts.setdefault("tasks_per_node", world_size // opts.get("nodes", 1))
-        if opts.get("nodes", 1) * opts["tasks_per_node"] != world_size:
-            raise ValueError(f"world_size={world_size} must equal slurm nodes x tasks_per_node "
-                             f"({opts.get('nodes', 1)} x {opts['tasks_per_node']})")
+        opts = check_slurm_options(slurm, world_size)
         return launch_slurm(fn, *args, device=device, timeout=timeout, **opts, **kwargs)
     check_device(device, world_size)
     _check_importable(fn)

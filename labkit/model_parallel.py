@@ -11,16 +11,24 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from labkit.comm import CommCounter, ring_volume
-from labkit.memory_probe import measured_model_states
+from labkit.memory_probe import ModelStates, measured_model_states
+
+if TYPE_CHECKING:  # labkit.train dispatches to the loops that import this module
+    from labkit.memory import MemoryEstimate, ModelShape
+    from labkit.model import GPTConfig
+    from labkit.train import TrainConfig
 
 PRECISIONS = ("fp32", "bf16")
-def check_config(cfg, strategy: str) -> None:
+
+
+def check_config(cfg: TrainConfig, strategy: str) -> None:
     """The parts of a ``TrainConfig`` the model-parallel loops do not implement: clear errors."""
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"precision={cfg.precision!r} is not supported with strategy={strategy!r}; "
@@ -32,15 +40,16 @@ def check_config(cfg, strategy: str) -> None:
         raise ValueError(f"checkpoint_dir is not supported with strategy={strategy!r}; leave it None")
 
 
-def device_of(cfg) -> torch.device:
+def device_of(cfg: TrainConfig) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
 
 
-def autocast(cfg, device: torch.device):
+def autocast(cfg: TrainConfig, device: torch.device) -> torch.autocast:
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
 
 
-def make_optimizer(params: list[torch.Tensor], cfg):
+def make_optimizer(params: list[torch.Tensor], cfg: TrainConfig
+                   ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR | None]:
     """AdamW and the schedule exactly as ``labkit.train.train`` builds them."""
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     sched = None
@@ -123,7 +132,7 @@ class StepRecorder:
         self.times: list[float] = []
         self.comm: list[dict] = []
         self.calls: list[dict] = []
-        self.states = None
+        self.states: ModelStates | None = None
 
     @contextmanager
     def step(self) -> Iterator[CommCounter]:
@@ -136,11 +145,13 @@ class StepRecorder:
         self.comm.append(dict(counter.bytes))
         self.calls.append(dict(counter.calls))
 
-    def measure_states(self, model, opt) -> None:
+    def measure_states(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
         """Call between the optimizer step and ``zero_grad``: what the rank holds at its fullest."""
         self.states = measured_model_states(model, opt)
 
-    def optimizer_step(self, model, opt, sched, params: list[torch.Tensor], cfg, last: bool,
+    def optimizer_step(self, model: nn.Module, opt: torch.optim.Optimizer,
+                       sched: torch.optim.lr_scheduler.LRScheduler | None, params: list[torch.Tensor],
+                       cfg: TrainConfig, last: bool,
                        groups_of: Callable[[torch.Tensor], tuple] = dtensor_groups,
                        skip: Iterable[torch.Tensor] = ()) -> None:
         """The end of every step, as ``labkit.train``: clip over the split parameters, step Adam and
@@ -154,7 +165,7 @@ class StepRecorder:
             self.measure_states(model, opt)
         opt.zero_grad(set_to_none=True)
 
-    def rank_figures(self, rank: int, world: int, **extra) -> dict:
+    def rank_figures(self, rank: int, world: int, **extra: Any) -> dict:
         s = self.states
         return {"rank": rank, "step_time_s": self.times,
                 "allreduce_bytes_per_step": [b.get("allreduce", 0) for b in self.comm],
@@ -173,8 +184,8 @@ def gather_ranks(mine: dict) -> list[dict]:
     return ranks
 
 
-def base_result(cfg, strategy: str, model_cfg, world: int, losses: list[float], times: list[float],
-                ranks: list[dict], grad_bytes: int, **extra) -> dict:
+def base_result(cfg: TrainConfig, strategy: str, model_cfg: GPTConfig, world: int, losses: list[float],
+                times: list[float], ranks: list[dict], grad_bytes: int, **extra: Any) -> dict:
     """The keys of ``labkit.train.train``'s result (no checkpointing here: none saved or restored)."""
     from labkit.model import GPT
 
@@ -186,7 +197,8 @@ def base_result(cfg, strategy: str, model_cfg, world: int, losses: list[float], 
             "preempted": None, "resume_notes": [], **extra}
 
 
-def run_many(entry: Callable[..., dict], cfg, model_cfg, variants: list[dict]) -> list[dict]:
+def run_many(entry: Callable[..., dict], cfg: TrainConfig, model_cfg: GPTConfig | None,
+             variants: list[dict]) -> list[dict]:
     """``entry(cfg, model_cfg, **v)`` for each ``v``, in order, in one process group (one launch):
     e.g. ``launch(run_many, train_tp, cfg, model_cfg, [{"impl": "dtensor"}, {"impl": "scratch"}])``.
     A variant's ``"config"`` entry (a dict) replaces those fields of ``cfg`` for that run."""
@@ -208,7 +220,7 @@ class Layout:
     dp: int
     microbatches: int  # per pipeline per step: global batch / (dp x micro batch)
     bubble: float  # (p - 1) / (m + p - 1) of every step
-    estimate: object  # labkit.memory.MemoryEstimate
+    estimate: MemoryEstimate
     usable_bytes: int
 
     @property
@@ -216,9 +228,9 @@ class Layout:
         return self.estimate.total <= self.usable_bytes
 
 
-def layouts(model, n_devices: int, global_batch: int, micro_batch: int = 1, devices_per_node: int = 8,
-            device_memory_gb: float = 80.0, stage: int = 1, recompute: str = "full",
-            headroom: float = 0.1) -> list[Layout]:
+def layouts(model: str | float | GPTConfig | ModelShape, n_devices: int, global_batch: int,
+            micro_batch: int = 1, devices_per_node: int = 8, device_memory_gb: float = 80.0, stage: int = 1,
+            recompute: str = "full", headroom: float = 0.1) -> list[Layout]:
     """Every DP x TP x PP layout of ``n_devices`` (Narayanan et al. 2021, section 3) with the memory
     calculator's per-device bytes: tensor parallel within a node (sequence parallel on), 1F1B
     pipelines, ZeRO ``stage`` over the data-parallel ranks (Megatron's distributed optimizer is 1).

@@ -23,7 +23,7 @@ import numpy as np
 OVERFLOW = ("split", "truncate")
 
 
-def positive_int(name: str, value) -> int:
+def positive_int(name: str, value: object) -> int:
     """``value`` as an int; a ValueError naming ``name`` unless it is a positive integer."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -52,6 +52,9 @@ def lower_bound(lengths: Sequence[int] | np.ndarray, capacity: int) -> int:
     """Fewest rows any packer can reach: ceil(total / capacity), and one row per sequence longer than
     half the capacity (no two of those fit together). Sequences must fit (``<= capacity``)."""
     L, C = check_lengths(lengths), positive_int("capacity", capacity)
+    if L.max() > C:
+        raise ValueError(f"lengths up to {L.max()} exceed capacity={C}; split or truncate them first "
+                         "(the bound counts whole sequences per row)")
     return max(math.ceil(int(L.sum()) / C), int((2 * L > C).sum()))
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +59,7 @@ class SleepBatches(Dataset):
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: int) -> torch.Tensor:
+    def __getitem__(self, i: int) -> list[list[int]]:
         time.sleep(self.load_s)
         return [[i % 256] * self.shape[1]] * self.shape[0]
 
@@ -179,10 +179,11 @@ def epochs(loader: Iterable, n: int) -> Iterator:
         yield from loader
 
 
-def gpt_train_step(model: torch.nn.Module, opt: torch.optim.Optimizer):
+def gpt_train_step(model: torch.nn.Module, opt: torch.optim.Optimizer
+                   ) -> Callable[[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """A step function for :func:`labkit.pipeline.measure_stalls`: forward, backward, AdamW."""
 
-    def step(batch) -> float:
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
         loss = model(x, y)[1]
         loss.backward()

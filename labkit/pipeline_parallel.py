@@ -41,7 +41,10 @@ def check_pp(pp: int, n_layer: int, microbatches: int, schedule: str, batch_size
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is unknown; valid implementations: {list(IMPLS)}")
     if impl == "scratch" and schedule == "interleaved":
-        raise ValueError("schedule='interleaved' runs with impl='torch' only; the scratch path has 'gpipe', '1f1b'")
+        # impl='scratch' is also what one process (``--strategy pp`` without torchrun) runs
+        raise ValueError("schedule='interleaved' needs torch pipelining on several ranks (impl='torch', "
+                         "under labkit.launch or torchrun); the hand-written path and one process have "
+                         "'gpipe' and '1f1b'")
     for name, v in (("pp", pp), ("microbatches", microbatches)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -52,6 +55,13 @@ def check_pp(pp: int, n_layer: int, microbatches: int, schedule: str, batch_size
     if schedule != "gpipe" and microbatches < pp:
         raise ValueError(f"schedule={schedule!r} needs microbatches >= pp: microbatches={microbatches} < "
                          f"pp={pp} leaves a stage with nothing to alternate; use microbatches >= {pp} or 'gpipe'")
+    rounds = max(1, microbatches // pp)
+    if schedule == "interleaved" and microbatches % rounds:
+        # torch's ScheduleInterleaved1F1B runs the microbatches in rounds of about pp each
+        valid = [m for m in range(pp, 4 * pp + 1) if m % max(1, m // pp) == 0]
+        raise ValueError(f"schedule='interleaved' needs microbatches divisible by its {rounds} rounds "
+                         f"(microbatches // pp); microbatches={microbatches} with pp={pp} is not; valid "
+                         f"microbatches up to {4 * pp}: {valid}")
     if batch_size is not None and batch_size % microbatches:
         valid = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
         raise ValueError(f"microbatches={microbatches} must divide batch_size={batch_size}; valid: {valid}")

@@ -16,9 +16,12 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 
 def bubble_formula(p: int, m: int, v: int = 1) -> float:
@@ -90,7 +93,7 @@ class ActivationMeter:
         self._hooks.__enter__()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
 
 
@@ -107,7 +110,7 @@ class _Held:
 class Timeline:
     """F and B events of one stage, per step; ``start()`` at the common start of every step."""
 
-    def __init__(self, stage: int, device: torch.device | None = None, meter: ActivationMeter | None = None):
+    def __init__(self, stage: int, device: torch.device | None = None, meter: ActivationMeter | None = None) -> None:
         self.stage, self.meter = stage, meter
         self.cuda = device is not None and device.type == "cuda"  # kernels are async: sync to time them
         self.steps: list[list[Event]] = []
@@ -153,7 +156,7 @@ def bubble_fraction(events: list[Event]) -> float:
     return sum(1 - busy[s] / span for s in stages) / len(stages)
 
 
-def plot_gantt(ax, events: list[Event], title: str = "") -> None:
+def plot_gantt(ax: Axes, events: list[Event], title: str = "") -> None:
     """One row per stage (stage 0 on top): forwards blue, backwards orange, labelled by microbatch."""
     stages = sorted({e.stage for e in events})
     t0 = min(e.start for e in events)

@@ -21,12 +21,21 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from labkit.preemption import CONTINUE, SAVE_AND_EXIT, PreemptionHandler
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+    from deepspeed import DeepSpeedEngine
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from labkit.fault_tolerance import Checkpointer
+    from labkit.train import TrainConfig
 
 MUST_MATCH = ("seed", "batch_size", "model")  # they define the data order and the parameters
 # `python -m labkit.train --help` for the fault-tolerance flags (batch scripts read these)
@@ -37,6 +46,7 @@ CLI_HELP = {
     "async_save": "block training only for the copy to host memory; write in a background thread",
     "resume": "start from the newest good checkpoint in --checkpoint-dir (--no-resume refuses a non-empty one)",
     "grace_s": "seconds from SIGTERM/SIGUSR1 to SIGKILL: finish the step, save if it fits, exit 75 (requeue)",
+    "reserve_s": "seconds of --grace-s kept back for leaving cleanly: a save that would eat into them is skipped",
     "step_log": "append one JSON line per step, checkpoint, restore and preemption (rank 0)",
     "lr_schedule": "constant, or cosine decay to lr/10 at the last step (after --warmup-steps)",
     "tp": "strategy tp: tensor-parallel degree (0: every rank; the other world/tp ranks are FSDP2 data parallel)",
@@ -82,8 +92,10 @@ def _unwrap(model):
     return getattr(model, "module", model)  # DDP and the hand-written data parallels keep it in .module
 
 
-def training_state(step: int, meta: dict, losses: list[float], model=None, optimizer=None, scheduler=None,
-                   engine=None, scaler=None) -> dict:
+def training_state(step: int, meta: dict, losses: list[float],
+                   model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                   scheduler: LRScheduler | None = None, engine: DeepSpeedEngine | None = None,
+                   scaler: torch.amp.GradScaler | None = None) -> dict:
     """The state a resume needs, ready for :meth:`labkit.fault_tolerance.Checkpointer.save`."""
     from labkit.fault_tolerance import LOCAL
 
@@ -101,7 +113,7 @@ def training_state(step: int, meta: dict, losses: list[float], model=None, optim
     return state
 
 
-def check_checkpointing(cfg) -> None:
+def check_checkpointing(cfg: TrainConfig) -> None:
     """Clear errors for checkpoint settings a strategy cannot honour (called by ``TrainConfig``)."""
     if cfg.checkpoint_dir and cfg.strategy == "zero1_scratch":
         raise ValueError("checkpoint_dir is not supported with strategy='zero1_scratch' (its sharded optimizer "
@@ -111,6 +123,12 @@ def check_checkpointing(cfg) -> None:
                          "checkpoints synchronously (engine.save_checkpoint); use async_save=False")
     if isinstance(cfg.grace_s, bool) or not isinstance(cfg.grace_s, (int, float)) or not 0 <= cfg.grace_s < math.inf:
         raise ValueError(f"grace_s must be a non-negative number of seconds, got {cfg.grace_s!r}")
+    r = cfg.reserve_s
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < math.inf:
+        raise ValueError(f"reserve_s must be a non-negative number of seconds, got {cfg.reserve_s!r}")
+    if cfg.checkpoint_dir and cfg.reserve_s >= cfg.grace_s > 0:
+        raise ValueError(f"reserve_s={cfg.reserve_s} leaves nothing of grace_s={cfg.grace_s} for the preemption "
+                         f"save; use reserve_s < grace_s (e.g. --reserve-s {cfg.grace_s / 4:g})")
 
 
 def check_compatible(saved: dict, meta: dict) -> list[str]:
@@ -133,8 +151,10 @@ def check_compatible(saved: dict, meta: dict) -> list[str]:
     return notes
 
 
-def restore(ckpt, meta: dict, model=None, optimizer=None, scheduler=None,
-            engine=None, scaler=None) -> tuple[int, list[float], list[str]]:
+def restore(ckpt: Checkpointer, meta: dict,
+            model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+            scheduler: LRScheduler | None = None, engine: DeepSpeedEngine | None = None,
+            scaler: torch.amp.GradScaler | None = None) -> tuple[int, list[float], list[str]]:
     """Load the newest good checkpoint into the live objects: ``(start_step, losses, notes)``.
 
     ``(0, [], [])`` when there is none. Raises ValueError for a checkpoint of a different run.
@@ -191,8 +211,10 @@ class Resumable:
     """The training loop's side of fault tolerance, for ``labkit.train``: resume at the start, save
     every ``save_every`` steps and at the end, and on SIGTERM/SIGUSR1 finish the step, save, stop."""
 
-    def __init__(self, cfg, meta: dict, model=None, optimizer=None, scheduler=None, engine=None,
-                 scaler=None) -> None:
+    def __init__(self, cfg: TrainConfig, meta: dict,
+                 model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 scheduler: LRScheduler | None = None, engine: DeepSpeedEngine | None = None,
+                 scaler: torch.amp.GradScaler | None = None) -> None:
         self.cfg, self.meta, self.objs = cfg, meta, (model, optimizer, scheduler, engine, scaler)
         self.log = StepLog(cfg.step_log)
         self.ckpt = None
@@ -221,7 +243,7 @@ class Resumable:
             self.ckpt.close()
             raise
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
-            self.handler = PreemptionHandler(self.cfg.grace_s).install()
+            self.handler = PreemptionHandler(self.cfg.grace_s, self.cfg.reserve_s).install()
         if step:
             self.restored = {"step": step, "seconds": time.perf_counter() - t0,
                              "saved_world_size": self.ckpt.last_load.world_size}

@@ -12,6 +12,7 @@ compute nodes for ``folder`` and the Python environment (``sys.executable`` runs
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import socket
@@ -57,6 +58,36 @@ def _task(fn: Callable, args: tuple, kwargs: dict, device: str) -> Any:
         dist.destroy_process_group()
 
 
+def _check_count(name: str, v: Any) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+def check_slurm_options(slurm: dict, world_size: int) -> dict:
+    """``launch``'s ``slurm`` dict, checked, with ``tasks_per_node`` filled in from ``world_size``.
+
+    A misspelt key would otherwise reach :func:`launch_slurm`'s ``**kwargs`` and so the lab
+    function, and fail only on the compute nodes, after the job waited in the queue.
+    """
+    if not isinstance(slurm, dict):
+        raise TypeError(f"slurm must be a dict of launch_slurm options, got {type(slurm).__name__}")
+    valid = list(SLURM_OPTIONS)
+    unknown = sorted(set(slurm) - set(valid))
+    if unknown:
+        hint = {"device": "pass device= to launch itself", "timeout": "pass timeout= to launch itself"}
+        notes = "; ".join(f"{k}: {hint[k]}" for k in unknown if k in hint)
+        raise ValueError(f"slurm={{...}} has unknown option(s) {unknown}; valid options: {valid}"
+                         + (f" ({notes})" if notes else ""))
+    opts = dict(slurm)
+    _check_count("nodes", opts.setdefault("nodes", 1))
+    _check_count("world_size", world_size)
+    opts.setdefault("tasks_per_node", world_size // opts["nodes"])
+    if opts["nodes"] * opts["tasks_per_node"] != world_size:
+        raise ValueError(f"world_size={world_size} must equal slurm nodes x tasks_per_node "
+                         f"({opts['nodes']} x {opts['tasks_per_node']})")
+    return opts
+
+
 def launch_slurm(fn: Callable, *args: Any, nodes: int = 1, tasks_per_node: int = 2, device: str = "cpu",
                  partition: str | None = None, time_min: int = 30, cpus_per_task: int | None = None,
                  folder: str | os.PathLike = "_build/slurm", timeout: float | None = None,
@@ -67,8 +98,7 @@ def launch_slurm(fn: Callable, *args: Any, nodes: int = 1, tasks_per_node: int =
     ``slurm_extra`` passes further sbatch options (e.g. ``{"account": "myproj", "qos": "high"}``).
     """
     for name, v in (("nodes", nodes), ("tasks_per_node", tasks_per_node), ("time_min", time_min)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        _check_count(name, v)
     if device not in DEVICES:
         raise ValueError(f"device={device!r} is not supported; valid devices: {list(DEVICES)}")
     try:
@@ -114,3 +144,9 @@ def launch_slurm(fn: Callable, *args: Any, nodes: int = 1, tasks_per_node: int =
         raise RankError(failures)
     print(f"[slurm] job {job.job_id}: done in {time.monotonic() - start:.0f} s", flush=True)
     return results
+
+
+# The keys launch(..., slurm={...}) accepts: launch_slurm's keyword parameters, less device and
+# timeout, which launch passes itself.
+SLURM_OPTIONS = tuple(p.name for p in inspect.signature(launch_slurm).parameters.values()
+                      if p.kind is p.KEYWORD_ONLY and p.name not in ("device", "timeout"))

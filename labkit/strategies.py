@@ -55,7 +55,8 @@ def _fully_shard(model: nn.Module, device: torch.device, reshard_after_forward: 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory makes the device copies asynchronous; it needs an accelerator to exist.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     if bf16_params:  # compute in bf16 on gathered copies, keep fp32 shards, reduce in fp32
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:  # one all-gather per block: only one block is ever unsharded

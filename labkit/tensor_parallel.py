@@ -20,12 +20,19 @@ The model never imports this module: both paths rewrite a plain :class:`labkit.m
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.model import GPT, GPTConfig
+
+if TYPE_CHECKING:  # labkit.train imports this module
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from labkit.train import TrainConfig
 
 
 def check_tp(tp: int, model_cfg: GPTConfig, world_size: int | None = None) -> None:
@@ -86,7 +93,7 @@ def _swap_attention(model: GPT, tp: int) -> None:
             block.attn = TensorParallelAttention(block.attn, tp)
 
 
-def parallelize_dtensor(model: GPT, mesh, sequence_parallel: bool = False) -> GPT:
+def parallelize_dtensor(model: GPT, mesh: DeviceMesh, sequence_parallel: bool = False) -> GPT:
     """Megatron's split with DTensor: ``ColwiseParallel`` before, ``RowwiseParallel`` after each GELU
     or attention. With ``sequence_parallel`` the LayerNorms run on ``s/tp`` tokens each
     (``SequenceParallel``); the all-reduces become all-gathers and reduce-scatters of equal volume."""
@@ -132,12 +139,12 @@ class CopyToTensorParallel(torch.autograd.Function):
     all-reduce of the input gradient in backward (each rank's heads contributed part of it)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
@@ -147,13 +154,13 @@ class ReduceFromTensorParallel(torch.autograd.Function):
     """The ``g`` operator: all-reduce in forward (sum the ranks' partial outputs), identity in backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         x = x.contiguous().clone()
         dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
@@ -168,7 +175,7 @@ def _shard(p: torch.Tensor | None, dim: int, tp: int, rank: int) -> nn.Parameter
 class ColumnParallelLinear(nn.Module):
     """``Y_r = f(X) A_r + b_r``: this rank's slice of the output features (Megatron's A = [A_1 ... A_t])."""
 
-    def __init__(self, linear: nn.Linear, group, tp: int, rank: int) -> None:
+    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup | None, tp: int, rank: int) -> None:
         super().__init__()
         self.group = group
         self.weight = _shard(linear.weight, 0, tp, rank)
@@ -181,7 +188,7 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """``Y = g(X_r B_r) + b``: this rank's slice of the input features; the bias is added once, after the sum."""
 
-    def __init__(self, linear: nn.Linear, group, tp: int, rank: int) -> None:
+    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup | None, tp: int, rank: int) -> None:
         super().__init__()
         self.group = group
         self.weight = _shard(linear.weight, 1, tp, rank)
@@ -192,7 +199,7 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def parallelize_scratch(model: GPT, group=None) -> GPT:
+def parallelize_scratch(model: GPT, group: dist.ProcessGroup | None = None) -> GPT:
     """The same split as :func:`parallelize_dtensor`, with the hand-written layers and operators."""
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     check_tp(tp, model.config)
@@ -204,7 +211,7 @@ def parallelize_scratch(model: GPT, group=None) -> GPT:
     return model
 
 
-def full_state_dict(model: nn.Module, tp: int, group=None) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, tp: int, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
     """The unsplit GPT's state dict on every rank (a collective): shards gathered, QKV rows un-permuted."""
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():  # the Parameters, with tp_shard_dim
@@ -241,8 +248,8 @@ def comm_bytes_per_layer(micro_batch: int, seq_len: int, hidden: int, dtype_byte
 IMPLS = ("dtensor", "scratch")
 
 
-def train_tp(cfg, model_cfg: GPTConfig | None = None, corpus: str | None = None, *, tp: int | None = None,
-             impl: str = "dtensor", sequence_parallel: bool = False) -> dict:
+def train_tp(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | None = None, *,
+             tp: int | None = None, impl: str = "dtensor", sequence_parallel: bool = False) -> dict[str, Any]:
     """``labkit.train.train`` with the model split over ``tp`` ranks; the other ``world / tp`` ranks are
     data parallel with FSDP2 (a 2-D mesh, ``impl="dtensor"`` only). Call on every rank.
 

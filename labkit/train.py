@@ -73,6 +73,7 @@ class TrainConfig:
     async_save: bool = False  # block only for the copy to host memory; write in the background
     resume: bool = True  # start from the newest good checkpoint in checkpoint_dir
     grace_s: float = 30.0  # SIGTERM/SIGUSR1 to SIGKILL: finish the step, save if it fits, exit 75
+    reserve_s: float = 2.0  # of grace_s, kept back for leaving cleanly (no save may eat into it)
     step_log: str | None = None  # append one JSON line per step, checkpoint and restore (rank 0)
     tp: int = 0  # strategy tp: tensor-parallel degree; 0 = every rank (world/tp ranks are FSDP2 data parallel)
     pp: int = 0  # strategy pp: pipeline stages, one per rank; 0 = every rank
@@ -94,6 +95,12 @@ class TrainConfig:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule={self.lr_schedule!r} is unknown; valid schedules: {list(LR_SCHEDULES)}")
         check_checkpointing(self)
+        for flag, valid in (("reshard_after_forward", ("fsdp",)), ("cpu_offload", ("fsdp",)),
+                            ("fsdp_bf16", ("fsdp",)), ("offload_optimizer", ("zero1", "zero2", "zero3"))):
+            # reshard_after_forward defaults to True: only turning it off is an FSDP-only choice
+            if getattr(self, flag) != (flag == "reshard_after_forward") and self.strategy not in valid:
+                raise ValueError(f"{flag}={getattr(self, flag)} has no effect with strategy={self.strategy!r}; "
+                                 f"it applies to strategy {' / '.join(map(repr, valid))}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
         if self.grad_clip < 0:
@@ -188,7 +195,7 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     show = cfg.progress if cfg.progress is not None else (sys.stderr.isatty() and cfg.steps >= 50)
     bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.strategy} x{world}", disable=not show or rank != 0,
                mininterval=1.0)
-    times, comm_by_op, calls_by_op = [], [], []
+    times, comm_by_op, calls_by_op, held, local_losses = [], [], [], [], []
     states = None
     try:
         for step in range(start, cfg.steps):
@@ -200,8 +207,9 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
             with CommCounter() as counter:
                 last = step == cfg.steps - 1
                 if engine is not None:  # DeepSpeed accumulates and steps at the boundary itself
-                    loss, measured = zero.train_step(engine, micros, measure=last)
-                    states = measured or states
+                    loss, measured = zero.train_step(engine, micros, measure=True)
+                    held.append(measured.total)
+                    states = measured if last else states
                 else:
                     loss = torch.zeros((), device=device)
                     for i, (xm, ym) in enumerate(micros):
@@ -223,8 +231,9 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
                         opt.step()
                     if sched is not None:
                         sched.step()
-                    if last:  # what the rank holds at its fullest: gradients not yet freed
-                        states = measured_model_states(model, opt)
+                    measured = measured_model_states(model, opt)  # at its fullest: gradients not yet freed
+                    held.append(measured.total)
+                    states = measured if last else states
                     opt.zero_grad(set_to_none=True)
             _sync(device)
             times.append(time.perf_counter() - t0)
@@ -232,6 +241,7 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
             calls_by_op.append(dict(counter.calls))
             # Every rank computed the mean loss of its own shard; their mean is the global-batch loss.
             loss = loss.detach()
+            local_losses.append(loss.item())
             if world > 1:
                 dist.all_reduce(loss)
                 loss /= world
@@ -251,7 +261,8 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
             "allreduce_calls_per_step": [c.get("allreduce", 0) for c in calls_by_op],
             "comm_bytes_per_step": comm_by_op, "comm_calls_per_step": calls_by_op,
             "comm_volume_per_step": [ring_volume(b, world) for b in comm_by_op],
-            "model_state_bytes": asdict(states) | {"total": states.total} if states else None}
+            "model_state_bytes": asdict(states) | {"total": states.total} if states else None,
+            "model_state_bytes_per_step": held, "local_loss": local_losses}
     ranks = [None] * world
     if world > 1:
         dist.all_gather_object(ranks, mine)

@@ -12,9 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from labkit.memory import ModelStates
 
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 
@@ -38,6 +45,9 @@ def deepspeed_config(stage: int, micro_batch: int, world_size: int, grad_accum: 
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
     return {
+        # With offload DeepSpeed insists on its own DeepSpeedCPUAdam (a compiled op); the client
+        # torch.optim.AdamW keeps every strategy on the same optimizer and runs as is on the CPU.
+        **({"zero_force_ds_cpu_optimizer": False} if offload_optimizer else {}),
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": grad_accum,
         "train_batch_size": micro_batch * grad_accum * world_size,
@@ -49,7 +59,8 @@ def deepspeed_config(stage: int, micro_batch: int, world_size: int, grad_accum: 
     }
 
 
-def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict, lr_scheduler=None):
+def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict,
+               lr_scheduler: LRScheduler | None = None) -> DeepSpeedEngine:
     """``deepspeed.initialize`` with errors that say what to do; returns the engine.
 
     A client ``lr_scheduler`` is stepped by ``engine.step()`` and saved in the engine's checkpoints."""
@@ -73,7 +84,8 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict,
     return engine
 
 
-def train_step(engine, micros: list, measure: bool = False):
+def train_step(engine: DeepSpeedEngine, micros: list,
+               measure: bool = False) -> tuple[torch.Tensor, ModelStates | None]:
     """One optimizer step over ``micros`` (input, target) micro-batches: DeepSpeed accumulates and
     steps at the boundary itself. Returns the mean loss and, with ``measure``, the model states held
     after the first backward (while accumulating: where ZeRO-1 and ZeRO-2 differ)."""
@@ -101,7 +113,7 @@ def full_state_dict(module: nn.Module, zero3: bool = False) -> dict:
                 for k, v in module.state_dict().items()}
 
 
-def model_states(engine):
+def model_states(engine: DeepSpeedEngine) -> ModelStates:
     """Per-rank parameter, gradient and optimizer-state bytes of a DeepSpeed ZeRO engine.
 
     Call it between ``engine.backward`` and ``engine.step`` (gradients are freed by the step).
@@ -135,7 +147,7 @@ def model_states(engine):
 
 
 def predicted_model_states(param_numels: list[int], world_size: int, rank: int, stage: int,
-                           accumulating: bool = False, bytes_per_elem: int = 4):
+                           accumulating: bool = False, bytes_per_elem: int = 4) -> ModelStates:
     """What a DeepSpeed ZeRO rank holds in fp32 training, to the byte, from the parameter sizes.
 
     The ZeRO paper's model (``labkit.memory.model_state_breakdown`` with "fp32_master") plus the

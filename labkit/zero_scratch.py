@@ -11,6 +11,8 @@ updates the model; the buffer is padded to a multiple of N so every slice has th
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -21,8 +23,8 @@ class ZeroOneAdamW(torch.optim.Optimizer):
 
     clips_gradients = True  # the training loop must not clip the un-reduced local gradients
 
-    def __init__(self, model: nn.Module, lr: float, betas=(0.9, 0.95), weight_decay: float = 0.0,
-                 eps: float = 1e-8, grad_clip: float = 0.0) -> None:
+    def __init__(self, model: nn.Module, lr: float, betas: tuple[float, float] = (0.9, 0.95),
+                 weight_decay: float = 0.0, eps: float = 1e-8, grad_clip: float = 0.0) -> None:
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.params = [p for p in model.parameters() if p.requires_grad]
         numel = sum(p.numel() for p in self.params)
@@ -44,7 +46,7 @@ class ZeroOneAdamW(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> None:
         flat_grad = torch.zeros_like(self.flat)
         offset = 0
         for p in self.params:

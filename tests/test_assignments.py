@@ -18,8 +18,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.assignments import COURSE_DIR, exercise_cells, generate, main, nbgrader, source_notebook
-from labkit.labs import list_labs
+from labkit.assignments import BOOK_ONLY, COURSE_DIR, exercise_cells, generate, main, nbgrader, source_notebook
+from labkit.labs import LABS_DIR, list_labs
 
 LABS = list_labs()
 PLANTED = Path(__file__).parent / "planted_bugs"
@@ -138,6 +138,55 @@ def test_every_lab_has_a_graded_exercise_and_a_planted_bug():
         assert "hide-input" not in str(nb), f"{lab}: book-only tags leaked into the assignment"
         assert set(planted_solutions(lab)) == set(_solution_ids(nb)), f"{lab}: one planted bug per solution cell"
 
+
+def _directives(cells) -> list[tuple[str, str, str, int]]:
+    """(name, argument, options, cell index) of every sphinx-exercise gated directive in ``cells``."""
+    pattern = r"^```\{((?:exercise|solution)-(?:start|end))\}[ \t]*(.*)\n((?::.*\n)*)"
+    return [(m[1], m[2].strip(), m[3], i) for i, c in enumerate(cells) if c.cell_type == "markdown"
+            for m in re.finditer(pattern, c.source + "\n", flags=re.M)]
+
+
+def test_book_frames_the_statement_and_collapses_only_the_solution():
+    import jupytext
+
+    for lab in LABS:
+        cells = jupytext.read(LABS_DIR / f"{lab}.md").cells
+        tags = [c.metadata.get("tags", []) for c in cells]
+        found = _directives(cells)
+        names = [d[0] for d in found]
+        assert names and names == ["exercise-start", "exercise-end", "solution-start", "solution-end"] * (len(names) // 4), (lab, names)
+        in_solution: set[int] = set()
+        for n, ((_, _, ex_opts, a), (_, _, _, b), (_, target, sol_opts, c), (_, _, _, d)) in enumerate(zip(*[iter(found)] * 4)):
+            label = re.search(r"^:label: (\S+)$", ex_opts, flags=re.M)
+            assert label and target == label[1], (lab, ex_opts, target)  # the solution names its exercise
+            assert n or label[1] == f"lab-{lab}-exercise", (lab, label[1])  # tests/test_book.py finds it by this id
+            assert ":class: dropdown\n" in sol_opts, (lab, sol_opts)
+            assert all(tags[i] == [BOOK_ONLY] for i in (a, b, c, d)), lab  # never in a student's notebook
+            statement = range(a + 1, b)
+            assert statement and all(cells[i].cell_type == "markdown" and "exercise" in tags[i] for i in statement), lab
+            in_solution.update(range(c + 1, d))
+        solutions = {i for i, c in enumerate(cells) if c.metadata.get("nbgrader", {}).get("solution")}
+        assert solutions and in_solution == solutions, (lab, solutions, in_solution)
+        assert not any("hide-input" in tags[i] for i in solutions), f"{lab}: the dropdown already collapses it"
+        tests = [i for i, c in enumerate(cells) if c.metadata.get("nbgrader", {}).get("grade")]
+        assert tests and all(i not in in_solution and "hide-input" in tags[i] for i in tests), \
+            f"{lab}: tests go after the solution dropdown, collapsed by hide-input"
+        nb = source_notebook(lab)
+        assert BOOK_ONLY not in str(nb) and not _directives(nb.cells), f"{lab}: book markup in the assignment"
+
+
+def test_book_only_cells_are_dropped_and_directives_in_exercise_cells_are_named(tmp_path):
+    solution = ("```{code-cell} ipython3\n---\nnbgrader: {grade: false, grade_id: s, locked: false, "
+                "schema_version: 3, solution: true, task: false}\ntags: [exercise]\n---\n"
+                "def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION\n```\n\n"
+                "```{code-cell} ipython3\n---\nnbgrader: {grade: true, grade_id: t, locked: true, points: 1, "
+                "schema_version: 3, solution: false, task: false}\ntags: [exercise]\n---\nassert f() == 1\n```\n")
+    start = "```{solution-start} ex\n:class: dropdown\n```\n\n"
+    (tmp_path / "ok.md").write_text(f"# Lab: ok\n\n+++ {{\"tags\": [\"exercise\", \"book-only\"]}}\n\n{start}{solution}")
+    assert [c.cell_type for c in exercise_cells("ok", tmp_path)] == ["code", "code"]
+    (tmp_path / "bad.md").write_text(f"# Lab: bad\n\n+++ {{\"tags\": [\"exercise\"]}}\n\nDo it.\n\n{start}{solution}")
+    with pytest.raises(ValueError, match="markdown cell tagged 'exercise' holds a sphinx-exercise directive"):
+        exercise_cells("bad", tmp_path)
 
 def test_release_has_stubs_and_no_solutions_or_hidden_tests(graded):
     for lab in LABS:

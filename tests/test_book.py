@@ -2,12 +2,15 @@
 import functools
 import http.server
 import os
+import re
 import shutil
 import subprocess
 import threading
 from pathlib import Path
 
 import pytest
+
+from labkit.labs import LABS_DIR, list_labs
 
 ROOT = Path(__file__).resolve().parent.parent
 HTML = ROOT / "_build" / "html"
@@ -123,4 +126,36 @@ def test_search_finds_the_lab(browser, server):
     page.wait_for_selector("#search-results li a", timeout=20_000)
     hrefs = page.eval_on_selector_all("#search-results li a", "as => as.map(a => a.getAttribute('href'))")
     assert any("labs/data_parallel" in h for h in hrefs), hrefs
+    page.close()
+
+
+def _statement_words(lab: str) -> list[str]:
+    """Words of the first line of the lab's exercise statement, math left out (MathJax renders it)."""
+    text = (LABS_DIR / f"{lab}.md").read_text()
+    first = text.split("```{exercise-start}", 1)[1].split('+++ {"tags": ["exercise"]}\n\n', 1)[1].split("\n", 1)[0]
+    return re.findall(r"[A-Za-z]{4,}", re.sub(r"\$[^$]*\$", "", first))[:5]
+
+
+@pytest.mark.parametrize("lab", list_labs())
+def test_lab_shows_its_exercise_and_a_collapsed_solution(browser, server, lab):
+    page, errors = _open(browser, f"{server}/book/labs/{lab}.html")
+    exercise = page.locator(f"div.exercise.admonition#lab-{lab}-exercise")
+    assert exercise.count() == 1 and exercise.is_visible(), f"{lab}: no exercise admonition"
+    text = exercise.inner_text()
+    words = _statement_words(lab)
+    assert words and all(w in text for w in words), (lab, words, text[:300])
+    solution = page.locator(f"div.solution.dropdown.admonition#lab-{lab}-solution")
+    assert solution.count() == 1, f"{lab}: no solution dropdown"
+    code = solution.locator("div.cell")
+    assert code.count() >= 1, f"{lab}: the solution dropdown holds no code cell"
+    # sphinx-togglebutton collapses .admonition.dropdown when the page loads: only the title shows.
+    assert "toggle-hidden" in solution.get_attribute("class") and not code.first.is_visible(), lab
+    assert solution.locator(".admonition-title").is_visible()
+    # text_content(): collapsed text too. The tests follow the dropdown, collapsed by hide-input.
+    assert "HIDDEN TESTS" not in solution.text_content(), f"{lab}: the hidden tests belong outside the solution"
+    assert "HIDDEN TESTS" in page.locator("article").text_content(), lab
+    solution.locator("button.toggle-button").click()
+    code.first.wait_for(state="visible", timeout=5_000)
+    assert "### BEGIN SOLUTION" in solution.inner_text(), lab
+    assert not errors, errors
     page.close()

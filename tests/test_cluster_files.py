@@ -3,21 +3,33 @@
 Kubernetes objects go through the official client's models (required fields, types); the hub's
 config keys must be real traits of the installed JupyterHub, OAuthenticator and KubeSpawner.
 """
+import os
 import re
 import shutil
 import subprocess
 import sys
+import time
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 import yaml
 
+from labkit.labs import PROFILES
+from labkit.model_parallel import check_config
+from labkit.strategies import STRATEGIES
+from labkit.train import TrainConfig, build_parser
+
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "cluster"
 K8S = CLUSTER / "k8s" / "base"
 OVERLAY = CLUSTER / "k8s" / "overlays" / "cpu"
+OVERLAYS = sorted(p for p in (CLUSTER / "k8s" / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
 HUB = CLUSTER / "jupyterhub"
 SCRIPTS = sorted([*CLUSTER.rglob("*.sh"), *CLUSTER.rglob("*.sbatch")])
+# a path into the repository, also behind a variable ("$ROOT/cluster/slurm/train.sbatch"), but not
+# inside some other absolute path (/opt/cluster/x.sh)
+REPO_PATH = re.compile(r"""(?:\$\{?\w+\}?"?/|(?<![\w/$]))(cluster/[\w./-]+\.(?:sh|sbatch|yaml))""")
 
 
 def _deserialize(doc: dict, kind: str):
@@ -29,6 +41,117 @@ def _deserialize(doc: dict, kind: str):
 
 def _kustomization(path: Path) -> dict:
     return yaml.safe_load((path / "kustomization.yaml").read_text())
+
+
+def _apply(doc: dict, op: dict) -> None:
+    """One JSON-patch ``add`` or ``replace``, the only ops these overlays use."""
+    *parents, last = op["path"].strip("/").split("/")
+    node = doc
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    assert op["op"] in ("add", "replace"), op
+    if isinstance(node, list):
+        node[int(last)] = op["value"]
+    else:
+        assert op["op"] == "add" or last in node, f"{op['path']} does not exist"
+        node[last] = op["value"]
+
+
+def _build(where: Path, kust: dict | None = None) -> tuple[dict, dict]:
+    """(the ConfigMap's literals, the Job) of a kustomization, its bases and patches applied: enough of
+    kustomize for these files, so the checks run where kubectl is not installed."""
+    kust = kust or _kustomization(where)
+    literals, job = {}, None
+    for res in kust.get("resources", []):
+        path = Path(os.path.normpath(where / res))
+        if path.is_dir():
+            base_literals, job = _build(path)
+            literals.update(base_literals)
+        elif (doc := yaml.safe_load(path.read_text()))["kind"] == "Job":
+            job = doc
+    for gen in kust.get("configMapGenerator", []):
+        literals.update(l.split("=", 1) for l in gen["literals"])
+    for patch in kust.get("patches", []):
+        if patch["target"]["kind"] == "Job":
+            for op in yaml.safe_load(patch["patch"]):
+                _apply(job, op)
+    return literals, job
+
+
+def _container(job: dict) -> dict:
+    return job["spec"]["template"]["spec"]["containers"][0]
+
+
+def _job_script(job: dict) -> str:
+    c = _container(job)
+    assert c["command"] == ["bash", "-c"] and len(c["args"]) == 1, "the container runs one bash script"
+    return c["args"][0]
+
+
+def _rejects_checkpoints(strategy: str) -> bool:
+    """Whether labkit.train refuses a checkpoint directory with this strategy (asked, not assumed)."""
+    try:
+        cfg = TrainConfig(strategy=strategy, checkpoint_dir="ckpt")
+        if strategy in ("tp", "pp"):
+            check_config(cfg, strategy)  # what the tp and pp loops check first
+    except ValueError:
+        return True
+    return False
+
+
+def _check_train_argv(argv: list[str], strategy: str, stdout: str, ckpt: str) -> TrainConfig:
+    """The flags a recipe gives ``-m labkit.train``, through the entry point's own parser and checks."""
+    args = vars(build_parser().parse_args(argv[argv.index("labkit.train") + 1:]))
+    cfg = TrainConfig(**{f.name: args[f.name] for f in fields(TrainConfig) if f.name in args})
+    assert cfg.strategy == strategy
+    if strategy in ("tp", "pp"):
+        check_config(cfg, strategy)
+    if _rejects_checkpoints(strategy):
+        assert cfg.checkpoint_dir is None and "not checkpointed" in stdout and "step 0" in stdout, stdout
+    else:
+        assert cfg.checkpoint_dir == ckpt and "not checkpointed" not in stdout, stdout
+    return cfg
+
+
+# Stand-ins for Slurm's commands and for python: they record the command line a recipe builds.
+STUBS = {
+    "scontrol": 'case "$1 $2" in\n  "show hostnames") printf "n1\\nn2\\n" ;;\n'
+                '  "show node") echo "NodeName=$3 NodeAddr=10.0.0.1 State=IDLE" ;;\n  *) exit 1 ;;\nesac\n',
+    "srun": 'printf "%s\\n" "$@" > "$ARGV_OUT"\n',
+    "python": '[ "$1" = -c ] && exit 0\n[ "$1 $2" = "-m labkit" ] && exec "$REAL_PYTHON" "$@"\n'
+              'printf "%s\\n" "$@" > "$ARGV_OUT"\n',
+}
+# what the recipes read from the environment: never from the caller's
+SCRIPT_VARS = {"CKPT_DIR", "DEVICE", "NPROC_PER_NODE", "STRATEGY", "STEPS", "SEED", "BATCH_SIZE", "SAVE_EVERY",
+               "GRACE_S", "METRICS", "PYTHON", "LABKIT_ROOT", "MAX_RESTARTS", "LAB", "PROFILE", "OUT_DIR",
+               "CUDA_VISIBLE_DEVICES"}
+
+
+def _env(**env) -> dict:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in SCRIPT_VARS}
+    return {**base, **env}
+
+
+def _stubbed(cmd: list[str], tmp_path: Path, **env) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run a recipe with the stubs first on PATH; return the result and the command line it started."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir(exist_ok=True)
+    for name, body in STUBS.items():
+        (stubs / name).write_text("#!/usr/bin/env bash\n" + body)
+        (stubs / name).chmod(0o755)
+    argv_out = tmp_path / "argv"
+    env = _env(**{"PATH": f"{stubs}:{os.environ['PATH']}", "ARGV_OUT": str(argv_out),
+                  "REAL_PYTHON": sys.executable, **env})
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=60)
+    return out, (argv_out.read_text().splitlines() if argv_out.exists() else [])
+
+
+def _sbatch(script: str, tmp_path: Path, **env) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """A batch script inside a pretend two-node allocation (n1, n2), with stub srun and scontrol."""
+    job = dict(SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n[1-2]", SLURM_JOB_NUM_NODES="2",
+               CKPT_DIR=str(tmp_path / "ckpt"), DEVICE="cpu", PYTHON=str(tmp_path / "bin" / "python"),
+               LABKIT_ROOT=str(ROOT))
+    return _stubbed(["bash", str(CLUSTER / "slurm" / script)], tmp_path, **{**job, **env})
 
 
 def test_kubernetes_manifests_are_valid_objects():
@@ -53,31 +176,59 @@ def test_kubernetes_manifests_are_valid_objects():
 
 def test_job_variables_are_all_defined_and_the_rendezvous_is_pod_zero():
     base = _kustomization(K8S)
-    literals = dict(l.split("=", 1) for l in base["configMapGenerator"][0]["literals"])
-    job = yaml.safe_load((K8S / "job.yaml").read_text())
-    c = job["spec"]["template"]["spec"]["containers"][0]
-    used = set(re.findall(r"\$\((\w+)\)", " ".join(c["command"] + c["args"])))
+    literals, job = _build(K8S)
+    c = _container(job)
+    script = _job_script(job)
+    # Kubernetes expands $(VAR) in command and args, and turns $$ into $, before bash sees them
+    assert "$(" not in script and "$$" not in script
+    used = set(re.findall(r"\$\{?([A-Za-z_]\w*)", script))
     assert used <= set(literals) | {e["name"] for e in c.get("env", [])}, used - set(literals)
-    assert int(literals["NNODES"]) == job["spec"]["completions"]
-    assert f"--rdzv-endpoint={job['metadata']['name']}-0.{job['spec']['template']['spec']['subdomain']}:29500" in c["args"]
+    assert f"--rdzv-endpoint={job['metadata']['name']}-0.{job['spec']['template']['spec']['subdomain']}:29500" in script
     assert c["image"] in {i["name"] for i in base["images"]}
-    # the entry point's flags exist
-    from labkit.train import build_parser
-
-    flags = {a for action in build_parser()._actions for a in action.option_strings}
-    for arg in c["args"][c["args"].index("labkit.train") + 1:]:
-        assert arg.split("=")[0] in flags, arg
 
 
-def test_cpu_overlay_only_changes_known_keys():
-    base, cpu = _kustomization(K8S), _kustomization(OVERLAY)
-    assert all((OVERLAY / r / "kustomization.yaml").is_file() for r in cpu["resources"])
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed; .ci/run installs it")
+def test_job_script_is_shellcheck_clean():
+    out = subprocess.run(["shellcheck", "--shell=bash", "-"], input=_job_script(_build(K8S)[1]),
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_job_passes_checkpoint_flags_only_where_labkit_can_checkpoint(strategy, tmp_path):
+    literals, job = _build(K8S)
+    env = {**literals, **{e["name"]: e["value"] for e in _container(job).get("env", [])},
+           "DEVICE": "cpu", "STRATEGY": strategy}  # cpu: TrainConfig checks the device exists
+    out, argv = _stubbed(["bash", "-c", _job_script(job)], tmp_path, **env)
+    assert out.returncode == 0 and argv[:2] == ["-m", "torch.distributed.run"], out.stderr
+    assert f"--nnodes={literals['NNODES']}" in argv
+    _check_train_argv(argv, strategy, out.stdout, ckpt=f"/ckpt/{literals['RUN_NAME']}")
+
+
+@pytest.mark.parametrize("where", [K8S, *OVERLAYS], ids=lambda p: str(p.relative_to(CLUSTER / "k8s")))
+def test_nnodes_matches_the_jobs_pod_count(where):
+    # torchrun waits for NNODES agents; the Job starts `completions` pods, `parallelism` at a time
+    literals, job = _build(where)
+    assert int(literals["NNODES"]) == job["spec"]["completions"] == job["spec"]["parallelism"]
+
+
+def test_the_books_own_overlay_changes_nnodes_with_the_pod_count():
+    book = (ROOT / "book" / "clusters.md").read_text()
+    example = next(b for b in re.findall(r"```yaml\n(.*?)```", book, re.S) if "my-run/kustomization.yaml" in b)
+    literals, job = _build(ROOT / "my-run", yaml.safe_load(example))
+    assert int(literals["NNODES"]) == job["spec"]["completions"] == job["spec"]["parallelism"] == 4
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_overlay_only_changes_known_keys(overlay):
+    base, cpu = _kustomization(K8S), _kustomization(overlay)
+    assert all((overlay / r / "kustomization.yaml").is_file() for r in cpu["resources"])
     keys = {l.split("=", 1)[0] for l in base["configMapGenerator"][0]["literals"]}
     gen = cpu["configMapGenerator"][0]
     assert gen["behavior"] == "merge" and gen["name"] == base["configMapGenerator"][0]["name"]
     assert {l.split("=", 1)[0] for l in gen["literals"]} <= keys
     job = yaml.safe_load((K8S / "job.yaml").read_text())
-    for p in cpu["patches"]:
+    for p in cpu.get("patches", []):
         for op in yaml.safe_load(p["patch"]):
             node = job
             for part in op["path"].strip("/").split("/"):
@@ -89,7 +240,7 @@ def test_cpu_overlay_only_changes_known_keys():
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed (kustomize is built into it)")
-@pytest.mark.parametrize("where", [K8S, OVERLAY], ids=["base", "overlays/cpu"])
+@pytest.mark.parametrize("where", [K8S, *OVERLAYS], ids=lambda p: str(p.relative_to(CLUSTER / "k8s")))
 def test_kustomize_builds_valid_objects(where):
     out = subprocess.run(["kubectl", "kustomize", str(where)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -99,11 +250,12 @@ def test_kustomize_builds_valid_objects(where):
     c = job.spec.template.spec.containers[0]
     cm = docs["ConfigMap"]["data"]
     assert c.env_from[0].config_map_ref.name == docs["ConfigMap"]["metadata"]["name"]  # the generated hash name
-    assert set(re.findall(r"\$\((\w+)\)", " ".join(c.command + c.args))) <= set(cm) | {e.name for e in c.env}
+    assert set(re.findall(r"\$\{?([A-Za-z_]\w*)", c.args[0])) <= set(cm) | {e.name for e in c.env}
+    assert int(cm["NNODES"]) == job.spec.completions == job.spec.parallelism
     assert c.image.startswith("ghcr.io/training-at-scale/labkit")
     grace = job.spec.template.spec.termination_grace_period_seconds
     assert float(cm["GRACE_S"]) < float(cm["SHUTDOWN_TIMEOUT"]) < grace  # save, then torchrun, then the kubelet
-    if where == OVERLAY:
+    if where == OVERLAY:  # the cpu overlay
         assert cm["DEVICE"] == "cpu" and "nvidia.com/gpu" not in (c.resources.limits or {})
 
 
@@ -133,17 +285,47 @@ def test_jupyterhub_values_use_real_traits_and_a_real_authenticator():
     assert pull[0] == "gitpuller" and shutil.which("gitpuller", path=str(Path(sys.executable).parent))
 
 
+def _dockerfile(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile: comment lines dropped, continued lines joined."""
+    text = "\n".join(l for l in path.read_text().splitlines() if not l.lstrip().startswith("#"))
+    lines = re.sub(r"\\\n\s*", " ", text).splitlines()
+    return [(l.split(None, 1)[0].upper(), l.split(None, 1)[1]) for l in lines if l.strip()]
+
+
+def _pip_installs(commands: list[str]) -> list[list[str]]:
+    """Each ``pip install``, from the command's environment prefix on, with the options that change
+    only the output or the cache left out."""
+    out = []
+    for cmd in commands:
+        if "pip install" in cmd:
+            cmd = cmd.replace("$(PY) -m pip", "pip").replace("$$", "$").replace('"', "")
+            out.append([t for t in cmd.split() if t not in ("-q", "--no-cache-dir")])
+    return out
+
+
 def test_image_installs_exactly_the_projects_requirements():
-    docker = (HUB / "Dockerfile").read_text()
-    assert "COPY requirements.txt" in docker and "-r requirements.txt" in docker
-    assert "grep -E '^torch==' requirements.txt" in docker  # the pinned torch, not whatever is newest
+    steps = _dockerfile(HUB / "Dockerfile")
+    assert any("requirements.txt" in a.split()[:-1] for i, a in steps if i == "COPY")
+    run = [cmd.strip() for i, a in steps if i == "RUN" for cmd in a.split("&&")]
+    # the same installs as the project's own venv (the Makefile's), in the same order, and nothing else:
+    # the pinned tools, the pinned torch, requirements.txt, labkit itself
+    make = [l.strip() for l in (ROOT / "Makefile").read_text().splitlines() if l.startswith("\t")]
+    assert _pip_installs(run) == _pip_installs(make) != []
     reqs = {l.split("==")[0].lower() for l in (ROOT / "requirements.txt").read_text().splitlines()}
     assert {"jupyterhub", "nbgitpuller", "jupyterhub-kubespawner", "oauthenticator"} <= reqs
     values = yaml.safe_load((HUB / "values.yaml").read_text())
     image = values["singleuser"]["image"]["name"]
     assert image == _kustomization(K8S)["images"][0]["newName"]  # hub and training pods: one image
-    assert re.search(r"-t " + re.escape(image), docker)
+    # the build command the docs give tags that image
+    for doc in (ROOT / "book" / "clusters.md", CLUSTER / "README.md"):
+        tags = re.findall(r"^docker build -f cluster/jupyterhub/Dockerfile -t (\S+) \.$", doc.read_text(), re.M)
+        assert tags and {t.split(":")[0] for t in tags} == {image}, doc
 
+
+def test_dockerfile_reader_ignores_comments():
+    steps = _dockerfile(HUB / "Dockerfile")
+    assert not any("docker build" in a for _, a in steps)  # the build command in its header comment
+    assert ("WORKDIR", "/opt/labkit") in steps and any(i == "RUN" and "\\" not in a for i, a in steps)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
@@ -156,10 +338,16 @@ def test_launch_script_lint(script):
     first_cmd = next(i for i, l in enumerate(lines) if l.strip() and not l.startswith("#"))
     assert not [l for l in lines[first_cmd:] if l.startswith("#SBATCH")], "#SBATCH after the first command"
     # (the directives themselves go through Slurm's own parser in tests/test_slurm.py: sbatch --test-only)
-    for path in re.findall(r"(?<![\w/])(cluster/[\w./-]+\.(?:sh|sbatch|yaml))", text):
+    for path in REPO_PATH.findall(text):
         assert (ROOT / path).is_file(), f"{path} is referenced but does not exist"
     for mod in re.findall(r"-m (labkit(?:\.\w+)*)", text):
         assert (ROOT / (mod.replace(".", "/") + ".py")).is_file() or (ROOT / mod.replace(".", "/")).is_dir(), mod
+
+
+def test_path_lint_sees_repository_paths_behind_a_variable():
+    text = 'bash "$ROOT/cluster/a.sbatch" ${LABKIT_ROOT}/cluster/b.sh "$R"/cluster/c.yaml cluster/d.sh /opt/cluster/e.sh'
+    assert REPO_PATH.findall(text) == ["cluster/a.sbatch", "cluster/b.sh", "cluster/c.yaml", "cluster/d.sh"]
+    assert "cluster/slurm/train.sbatch" in REPO_PATH.findall((CLUSTER / "slurm" / "deepspeed.sbatch").read_text())
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed; .ci/run installs it")
@@ -169,10 +357,7 @@ def test_launch_scripts_are_shellcheck_clean():
 
 
 def _run(script: str, **env) -> subprocess.CompletedProcess:
-    import os
-
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "LAB", "PROFILE", "STRATEGY"))}
-    return subprocess.run(["bash", str(CLUSTER / "slurm" / script)], env={**base, **env}, capture_output=True,
+    return subprocess.run(["bash", str(CLUSTER / "slurm" / script)], env=_env(**env), capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
 
 
@@ -183,3 +368,82 @@ def test_lab_and_deepspeed_scripts_stop_early_naming_what_is_missing():
     assert out.returncode == 1 and "PROFILE='huge' is unknown for lab 'data_parallel'; valid profiles" in out.stderr
     out = _run("deepspeed.sbatch", STRATEGY="ddp")
     assert out.returncode == 2 and "STRATEGY=ddp is not a DeepSpeed strategy; valid: zero1, zero2, zero3" in out.stderr
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_train_sbatch_passes_checkpoint_flags_only_where_labkit_can_checkpoint(strategy, tmp_path):
+    out, argv = _sbatch("train.sbatch", tmp_path, STRATEGY=strategy)
+    assert out.returncode == 0, out.stderr
+    python = argv.index(str(tmp_path / "bin" / "python"))  # srun's own options come first
+    assert argv[:python] == ["--kill-on-bad-exit=0", "--nodes=2", "--ntasks-per-node=1"]
+    assert argv[python + 1:python + 3] == ["-m", "torch.distributed.run"]
+    assert "--nnodes=2" in argv and "--rdzv-endpoint=10.0.0.1:20007" in argv  # NodeAddr, 20000 + job id
+    cfg = _check_train_argv(argv, strategy, out.stdout, ckpt=str(tmp_path / "ckpt"))
+    assert (cfg.step_log is None) == _rejects_checkpoints(strategy)
+
+
+def test_train_sbatch_trains_at_a_lab_profiles_size(tmp_path):
+    out, argv = _sbatch("train.sbatch", tmp_path, STRATEGY="fsdp", LAB="zero_fsdp", PROFILE="gpu", STEPS="7")
+    assert out.returncode == 0, out.stderr
+    cfg = _check_train_argv(argv, "fsdp", out.stdout, ckpt=str(tmp_path / "ckpt"))
+    gpu = PROFILES["zero_fsdp"]["gpu"]
+    args = vars(build_parser().parse_args(argv[argv.index("labkit.train") + 1:]))
+    assert (args["n_layer"], args["n_embd"], args["block_size"]) == (gpu["n_layer"], gpu["n_embd"], gpu["block_size"])
+    assert cfg.steps == 7 and cfg.batch_size == 8 * 2 * 2  # STEPS wins; "8 per rank" on 2 nodes x 2 ranks
+    (tmp_path / "argv").unlink()
+    out, argv = _sbatch("train.sbatch", tmp_path, PROFILE="gpu")
+    assert out.returncode == 2 and "PROFILE=gpu needs LAB" in out.stderr and not argv
+    out, argv = _sbatch("train.sbatch", tmp_path, LAB="zero_fsdp", PROFILE="huge")
+    assert out.returncode == 2 and "PROFILE='huge' is unknown for lab 'zero_fsdp'" in out.stderr and not argv
+
+
+def test_deepspeed_sbatch_runs_train_sbatch_with_zero3(tmp_path):
+    out, argv = _sbatch("deepspeed.sbatch", tmp_path)
+    assert out.returncode == 0, out.stderr
+    _check_train_argv(argv, "zero3", out.stdout, ckpt=str(tmp_path / "ckpt"))
+
+
+def test_train_sbatch_gives_each_rank_its_own_gpu(tmp_path):
+    for gpus in (dict(SLURM_GPUS_ON_NODE="2"), dict(CUDA_VISIBLE_DEVICES="0,1")):
+        out, argv = _sbatch("train.sbatch", tmp_path, DEVICE="cuda", NPROC_PER_NODE="4", **gpus)
+        assert out.returncode == 2 and not argv, gpus
+        assert ("NPROC_PER_NODE=4 but Slurm gave this node 2 GPU(s): ask for --gpus-per-node=4 or lower "
+                "NPROC_PER_NODE") in out.stderr
+    out, argv = _sbatch("train.sbatch", tmp_path, DEVICE="cpu", NPROC_PER_NODE="two")
+    assert out.returncode == 2 and "NPROC_PER_NODE=two must be a positive integer" in out.stderr
+    # within the GPUs, and by default one rank per GPU ("--gpus-per-node=a100:4" gives "a100:4")
+    for env in (dict(NPROC_PER_NODE="4", SLURM_GPUS_ON_NODE="4"), dict(SLURM_GPUS_PER_NODE="a100:4"),
+                dict(NPROC_PER_NODE="4", CUDA_VISIBLE_DEVICES="0,1,2,3")):
+        out, argv = _sbatch("train.sbatch", tmp_path, DEVICE="cuda", **env)
+        assert out.returncode == 0 and "--nproc-per-node=4" in argv, (env, out.stderr)
+
+
+def _fake_step(state: Path) -> subprocess.Popen:
+    """A process that looks like a job step of the local cluster in ``state`` (see stop.sh)."""
+    p = subprocess.Popen(["bash", "-c", 'exec -a "slurmstepd: [9.0]" sleep 60'], cwd=state,
+                         env=dict(os.environ, SLURM_CONF=str(state / "slurm.conf")))
+    deadline = time.monotonic() + 10
+    while not Path(f"/proc/{p.pid}/cmdline").read_bytes().startswith(b"slurmstepd: ["):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return p
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists() or shutil.which("pgrep") is None,
+                    reason="needs Linux's /proc and pgrep")
+def test_stop_script_stops_only_its_own_clusters_job_steps(tmp_path):
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    mine.mkdir()
+    other.mkdir()
+    (tmp_path / "link").symlink_to(mine)  # the state directory, spelt another way
+    own, foreign = _fake_step(mine), _fake_step(other)
+    try:
+        out = subprocess.run(["bash", str(CLUSTER / "slurm" / "local" / "stop.sh"), str(tmp_path / "link")],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert own.wait(timeout=10) == -15  # SIGTERM
+        assert foreign.poll() is None  # another local cluster's step keeps running
+    finally:
+        for p in (own, foreign):
+            p.kill()
+            p.wait()

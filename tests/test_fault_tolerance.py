@@ -51,6 +51,8 @@ def test_single_process_round_trip_retention_and_template(tmp_path):
     assert state["model"]["w"] is template["model"]["w"]  # loaded in place
     _check(state, 3)
     assert Checkpointer(tmp_path / "empty").load_latest() is None
+    with pytest.raises(CheckpointError, match=r"holds 1 tensor\(s\) the template lacks, e.g. \['model/b'\]"):
+        Checkpointer(tmp_path).load_latest({"model": {"w": torch.zeros(4096)}})
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
@@ -97,14 +99,14 @@ def _wait_for_saves(fd: int, count: int, timeout_s: float = 60.0) -> None:
 
 
 def test_kill_at_random_instants_always_leaves_the_newest_good_checkpoint(tmp_path):
-    """SIGKILLs at random instants of back-to-back saves (sync and async) until at least 5 kills landed
-    inside a save and the checkpoint advanced 5 times; after every kill the newest checkpoint verifies
+    """At least 20 SIGKILLs at random instants of back-to-back saves (sync and async), and more until 5
+    kills landed inside a save and the checkpoint advanced 5 times; after every kill the newest checkpoint verifies
     and loads, the step never goes back, and leftovers are cleaned."""
     rng = random.Random(1234)
     best, torn, advanced, trial = 0, 0, 0, 0
     # The kill waits until the child has returned from two saves, so each trial starts from a save in
     # flight whatever the machine's load; how many trials it takes to land 5 kills mid-write is random.
-    while torn < 5 or advanced < 5:
+    while trial < 20 or torn < 5 or advanced < 5:
         assert trial < 80, f"after 80 kills only {torn} landed mid-save and {advanced} advanced"
         read_end, write_end = os.pipe()
         pid = os.fork()
@@ -278,6 +280,8 @@ def test_sigterm_in_the_cli_saves_exits_75_and_the_rerun_resumes(tmp_path):
     (dict(save_every=-1), "save_every must be a non-negative integer"),
     (dict(strategy="zero1_scratch", checkpoint_dir="x"), "checkpoint_dir is not supported with strategy='zero1_scratch'"),
     (dict(strategy="zero2", async_save=True), "async_save=True is not supported with strategy='zero2'"),
+    (dict(reserve_s=-1.0), "reserve_s must be a non-negative number of seconds"),
+    (dict(checkpoint_dir="x", grace_s=1.5), r"reserve_s=2.0 leaves nothing of grace_s=1.5 .*--reserve-s 0.375"),
 ])
 def test_bad_fault_tolerance_config_is_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -289,6 +293,10 @@ def test_bad_faults_are_named():
         Fault(3, "SIGSTOP")
     with pytest.raises(ValueError, match="target='rank1' must be a rank"):
         Fault(3, "SIGKILL", "rank1")
+    with pytest.raises(ValueError, match="target=True must be a rank"):
+        Fault(3, "SIGKILL", True)
+    with pytest.raises(ValueError, match="step=-1 must be a non-negative integer"):
+        Fault(-1)
     with pytest.raises(ValueError, match="must not set --step-log"):
         run_with_faults(["--step-log", "x"], [], "log.jsonl")
 
@@ -352,6 +360,12 @@ def test_resume_is_bit_exact_after_kills_under_torchrun(tmp_path):
                  MODEL)
     assert more["start_step"] == STEPS and more["restored"]["saved_world_size"] == 2
     assert "resharded from ddp x2 to single x1" in more["resume_notes"][0]
+    # So does the FSDP one (DTensor shards gathered by DCP); its next step agrees with the DDP run's.
+    fsdp_more = train(TrainConfig(strategy="single", checkpoint_dir=str(tmp_path / "fsdp"),
+                                  **BASE | {"steps": STEPS + 1}), MODEL)
+    assert fsdp_more["start_step"] == STEPS and fsdp_more["restored"]["saved_world_size"] == 2
+    assert "resharded from fsdp x2 to single x1" in fsdp_more["resume_notes"][0]
+    assert abs(fsdp_more["loss"][-1] - more["loss"][-1]) < 1e-5, (fsdp_more["loss"][-1], more["loss"][-1])
 
 
 def test_deepspeed_checkpoints_go_through_the_same_checkpointer(tmp_path):
@@ -369,7 +383,7 @@ def test_checkpoint_benchmark_measures_a_restorable_state(tmp_path):
 
     r = measure(GPTConfig(block_size=16), tmp_path, repeats=1)
     assert r["restored_identical"] and r["state_gb"] > 0 and r["restore_s"] > 0
-    assert r["bench"]["async"]["blocking_s"] <= r["bench"]["async"]["total_s"]
-    assert set(r["hash_gbps"]) == {"xxh3_64", "crc32", "sha256"}
+    assert r["bench"]["async"]["blocking_s"] > 0 and r["bench"]["sync"]["total_s"] > 0
+    assert all(v > 0 for v in r["hash_gbps"].values()), r["hash_gbps"]
     with pytest.raises(ValueError, match="repeats must be a positive integer, got 0"):
         measure(GPTConfig(block_size=16), tmp_path, repeats=0)

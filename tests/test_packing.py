@@ -46,7 +46,8 @@ def test_pack_is_exactly_best_fit_decreasing_on_random_cases():
         _check_valid(rows, L, C)
         assert sorted(rows.fill.tolist()) == _naive_bfd_fills(L, C)
         assert rows.fill.tolist() == [sum(L[i] for i in r) for r in rows]
-    assert isinstance(rows, list) and all(isinstance(i, int) for r in rows for i in r)
+    # plain Python ints in plain lists (not numpy scalars): rows go straight into JSON and torch.tensor
+    assert all(type(r) is list and all(type(i) is int for i in r) for r in rows)
 
 
 def test_pack_small_example_by_hand():
@@ -120,6 +121,7 @@ def test_overflow_truncate_counts_dropped_tokens():
     (lambda: pack([3, 2], True), "capacity must be a positive integer"),
     (lambda: pack([3, 2], 8, overflow="drop"), "overflow='drop' is unknown; valid: None, 'split' or 'truncate'"),
     (lambda: lower_bound([], 8), "lengths is empty"),
+    (lambda: lower_bound([3, 9], 8), "lengths up to 9 exceed capacity=8"),
     (lambda: make_batches([3, 2], "bucket", max_len=8), r"policy='bucket' is unknown; valid policies: \['pad_to_max'"),
     (lambda: make_batches([3, 9], "random", max_len=8), "lengths up to 9 exceed max_len=8"),
     (lambda: make_batches([3, 2], "token_budget", max_len=8), "needs max_tokens"),
@@ -130,6 +132,19 @@ def test_overflow_truncate_counts_dropped_tokens():
 def test_bad_input_names_the_parameter(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_train_policies_names_bad_arguments():
+    from labkit.collate import train_policies
+
+    docs = [torch.arange(4)] * 2
+    for kwargs, match in [(dict(steps=0), "steps must be a positive integer, got 0"),
+                          (dict(warmup=-1), "warmup must be a non-negative integer"),
+                          (dict(policies=[]), "policies is empty")]:
+        args = dict(policies=["packed"], lengths=[4, 4], docs=docs, capacity=8, model_cfg=GPTConfig(block_size=8),
+                    batch_size=2, megabatch=1, lr=1e-3, steps=1) | kwargs
+        with pytest.raises(ValueError, match=match):
+            train_policies(**args)
 
 
 def test_padding_stats_by_hand():

@@ -164,6 +164,12 @@ def test_bad_pipeline_shapes_are_clear_errors():
         check_pp(2, 4, 3, "gpipe", batch_size=8)
     with pytest.raises(ValueError, match="grad_accum=2 is not used with pipelining"):
         train_pp(replace(CFG, grad_accum=2), MODEL, pp=1, impl="scratch")
+    with pytest.raises(ValueError, match=r"'interleaved' needs microbatches divisible by its 2 rounds .*"
+                                         r"microbatches=5 with pp=2"):
+        check_pp(2, 4, 5, "interleaved")
+    with pytest.raises(ValueError, match=r"'interleaved' needs torch pipelining on several ranks"):
+        check_pp(2, 4, 4, "interleaved", impl="scratch")
+    check_pp(2, 4, 6, "interleaved")  # 3 rounds of 2
     check_pp(2, 4, 1, "gpipe")  # GPipe runs with one microbatch (no pipelining, all bubble)
 
 

@@ -245,3 +245,27 @@ def test_bf16_strategies_match_single_process_bf16_within_stated_tolerances():
         against = ref32 if name == "zero2" else ref
         assert np.abs(np.array(r["loss"]) - against).max() < tol, name
     assert np.abs(ref - ref32).max() > 1e-5  # bf16 really ran: it is not fp32
+
+
+def test_offloading_to_the_cpu_trains_like_one_process():
+    """FSDP2's CPUOffloadPolicy and DeepSpeed's ZeRO-Offload (optimizer states and step on the CPU)
+    move where the states live, not what is computed: same losses and parameters as one process."""
+    base = replace(BASE, steps=4)
+    ref = train(base, MODEL)
+    out = launch(train_many, [replace(base, strategy="fsdp", cpu_offload=True),
+                              replace(base, strategy="zero2", offload_optimizer=True)], MODEL, world_size=2)
+    for r in out[0]:
+        assert np.abs(np.array(ref["loss"]) - np.array(r["loss"])).max() < 1e-5, r["strategy"]
+        assert max((ref["params"][k] - r["params"][k]).abs().max().item() for k in ref["params"]) < 5e-5
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(strategy="ddp", cpu_offload=True), "cpu_offload=True has no effect with strategy='ddp'; it applies to "
+                                             "strategy 'fsdp'"),
+    (dict(strategy="fsdp", offload_optimizer=True), "offload_optimizer=True has no effect with strategy='fsdp'"),
+    (dict(strategy="zero3", reshard_after_forward=False), "reshard_after_forward=False has no effect"),
+    (dict(strategy="single", fsdp_bf16=True), "fsdp_bf16=True has no effect"),
+])
+def test_strategy_options_on_the_wrong_strategy_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kwargs)

@@ -21,6 +21,9 @@ def test_single_process_metrics_json(tmp_path):
     assert m["config"]["steps"] == 3 and m["model"]["block_size"] == 16
     assert len(m["ranks"]) == 1 and len(m["ranks"][0]["step_time_s"]) == 3
     assert m["ranks"][0]["allreduce_bytes_per_step"] == [0, 0, 0]
+    assert m["ranks"][0]["local_loss"] == m["loss"]
+    held = m["ranks"][0]["model_state_bytes_per_step"]
+    assert len(held) == 3 and held[-1] == m["ranks"][0]["model_state_bytes"]["total"]
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -37,9 +40,37 @@ def test_torchrun_matches_single_process(tmp_path, strategy):
     if strategy == "ddp":
         assert all(r["allreduce_bytes_per_step"] == [m["grad_bytes"]] * 4 for r in m["ranks"])
     assert all(r["model_state_bytes"]["params"] == m["predicted_model_state_bytes"]["params"] for r in m["ranks"])
+    # per rank and per step: each rank's own loss (their mean is the global-batch loss) and the
+    # model-state bytes it held, which do not change from step to step once Adam's states exist
+    for step, loss in enumerate(m["loss"]):
+        assert abs(sum(r["local_loss"][step] for r in m["ranks"]) / 2 - loss) < 1e-6
+    assert all(len(set(r["model_state_bytes_per_step"])) == 1 and len(r["model_state_bytes_per_step"]) == 4
+               for r in m["ranks"])
     from labkit.model import GPTConfig
 
     ref = train(TrainConfig(steps=4, seed=3), GPTConfig(block_size=16))
+    assert max(abs(a - b) for a, b in zip(ref["loss"], m["loss"])) < 1e-5
+
+
+@pytest.mark.parametrize("strategy, extra", [("tp", ["--tp", "2"]),
+                                             ("pp", ["--pp", "2", "--microbatches", "4", "--schedule", "1f1b"])])
+def test_torchrun_runs_tensor_and_pipeline_parallel(tmp_path, strategy, extra):
+    """``--strategy tp`` and ``--strategy pp`` through the same recipe: one loss per step equal to one
+    process's, per-rank figures, and the pipeline's bubble."""
+    out = tmp_path / f"{strategy}.json"
+    env = {**ENV, "PYTHON": sys.executable, "DEVICE": "cpu", "NPROC": "2", "STRATEGY": strategy,
+           "STEPS": "3", "SEED": "3", "METRICS": str(out)}
+    proc = subprocess.run(["bash", str(ROOT / "cluster" / "torchrun.sh"), "--block-size", "16", "--n-layer", "2",
+                           "--lr", "1e-3", *extra], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads(out.read_text())
+    assert m["world_size"] == 2 and len(m["loss"]) == 3 and len(m["ranks"]) == 2
+    assert all(r["model_state_bytes"]["total"] > 0 for r in m["ranks"])
+    if strategy == "pp":
+        assert 0 < m["bubble_fraction"] < 1
+    from labkit.model import GPTConfig
+
+    ref = train(TrainConfig(steps=3, seed=3, lr=1e-3), GPTConfig(block_size=16, n_layer=2))
     assert max(abs(a - b) for a, b in zip(ref["loss"], m["loss"])) < 1e-5
 
 
