@@ -165,13 +165,23 @@ def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def resolve(lab: str, profile: str = "cpu", **overrides) -> dict:
-    """The parameters of ``lab`` under ``profile``, with ``overrides`` applied; clear errors otherwise."""
+def _profile(lab: str, profile: str) -> dict:
+    """A copy of ``lab``'s ``profile``, or a ValueError listing what exists."""
     if lab not in PROFILES:
         raise ValueError(f"lab={lab!r} has no profiles; labs with profiles: {sorted(PROFILES)}")
     if profile not in PROFILES[lab]:
         raise ValueError(f"PROFILE={profile!r} is unknown for lab {lab!r}; valid profiles: {list(PROFILES[lab])}")
-    p = dict(PROFILES[lab][profile])
+    return dict(PROFILES[lab][profile])
+
+
+def _per_rank_batch(p: dict, world_size: int | None) -> None:
+    if p.get("batch_size") == "8 per rank":  # the gpu profiles scale the global batch with the ranks
+        p["batch_size"] = 8 * world_size
+
+
+def resolve(lab: str, profile: str = "cpu", **overrides) -> dict:
+    """The parameters of ``lab`` under ``profile``, with ``overrides`` applied; clear errors otherwise."""
+    p = _profile(lab, profile)
     unknown = set(overrides) - set(p)
     if unknown:
         raise ValueError(f"OVERRIDES has unknown keys {sorted(unknown)}; valid keys: {sorted(p)}")
@@ -181,8 +191,7 @@ def resolve(lab: str, profile: str = "cpu", **overrides) -> dict:
             raise ValueError(f"PROFILE={profile!r} needs CUDA GPUs and found none; use PROFILE='cpu' or 'ci'")
         if p.get("world_size") == "all":
             p["world_size"] = n
-    if p.get("batch_size") == "8 per rank":
-        p["batch_size"] = 8 * p["world_size"]
+    _per_rank_batch(p, p.get("world_size"))
     for key in ("ring_world_sizes", "sweep_world_sizes"):
         if p.get(key) == "2..world_size":
             p[key] = sorted({2, *range(4, p["world_size"] + 1, 4), p["world_size"]} - {1})
@@ -199,15 +208,10 @@ def train_flags(lab: str, profile: str, world_size: int) -> list[str]:
     from labkit.model import GPTConfig
     from labkit.train import TrainConfig
 
-    if lab not in PROFILES:
-        raise ValueError(f"LAB={lab!r} has no profiles; labs with profiles: {sorted(PROFILES)}")
-    if profile not in PROFILES[lab]:
-        raise ValueError(f"PROFILE={profile!r} is unknown for lab {lab!r}; valid profiles: {list(PROFILES[lab])}")
+    p = _profile(lab, profile)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    p = dict(PROFILES[lab][profile])
-    if p.get("batch_size") == "8 per rank":
-        p["batch_size"] = 8 * world_size
+    _per_rank_batch(p, world_size)
     known = {f.name: f.default for f in (*fields(TrainConfig), *fields(GPTConfig))}
     flags: list[str] = []
     for k, v in p.items():

@@ -37,6 +37,16 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 CONTINUE, SAVE_AND_EXIT, EXIT = "continue", "save_and_exit", "exit"
 
 
+def check_grace(grace_s: float, reserve_s: float) -> None:
+    """Clear errors for a grace period and reserve that cannot work (``TrainConfig`` checks them early)."""
+    for name, v in (("grace_s", grace_s), ("reserve_s", reserve_s)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+            raise ValueError(f"{name} must be a non-negative number of seconds, got {v!r}")
+    if reserve_s >= grace_s > 0:
+        raise ValueError(f"reserve_s={reserve_s} leaves nothing of grace_s={grace_s} for saving; use "
+                         f"reserve_s < grace_s (e.g. reserve_s={grace_s / 4:g}; --reserve-s on the command line)")
+
+
 class PreemptionHandler:
     """Record the first SIGTERM/SIGUSR1; :meth:`poll` says, on every rank alike, what the loop does next.
 
@@ -47,11 +57,7 @@ class PreemptionHandler:
 
     def __init__(self, grace_s: float = 30.0, reserve_s: float = 2.0,
                  signals: tuple[int, ...] = SIGNALS) -> None:
-        for name, v in (("grace_s", grace_s), ("reserve_s", reserve_s)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
-                raise ValueError(f"{name} must be a non-negative number of seconds, got {v!r}")
-        if reserve_s >= grace_s > 0:
-            raise ValueError(f"reserve_s={reserve_s} leaves nothing of grace_s={grace_s} for saving")
+        check_grace(grace_s, reserve_s)
         self.grace_s, self.reserve_s, self.signals = float(grace_s), float(reserve_s), tuple(signals)
         self.received: int | None = None  # the signal number, once one arrived
         self.received_at: float | None = None

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from labkit.preemption import CONTINUE, SAVE_AND_EXIT, PreemptionHandler
+from labkit.preemption import CONTINUE, SAVE_AND_EXIT, PreemptionHandler, check_grace
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -121,14 +121,7 @@ def check_checkpointing(cfg: TrainConfig) -> None:
     if cfg.async_save and cfg.strategy in ("zero1", "zero2", "zero3"):
         raise ValueError(f"async_save=True is not supported with strategy={cfg.strategy!r}: DeepSpeed writes its "
                          "checkpoints synchronously (engine.save_checkpoint); use async_save=False")
-    if isinstance(cfg.grace_s, bool) or not isinstance(cfg.grace_s, (int, float)) or not 0 <= cfg.grace_s < math.inf:
-        raise ValueError(f"grace_s must be a non-negative number of seconds, got {cfg.grace_s!r}")
-    r = cfg.reserve_s
-    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < math.inf:
-        raise ValueError(f"reserve_s must be a non-negative number of seconds, got {cfg.reserve_s!r}")
-    if cfg.checkpoint_dir and cfg.reserve_s >= cfg.grace_s > 0:
-        raise ValueError(f"reserve_s={cfg.reserve_s} leaves nothing of grace_s={cfg.grace_s} for the preemption "
-                         f"save; use reserve_s < grace_s (e.g. --reserve-s {cfg.grace_s / 4:g})")
+    check_grace(cfg.grace_s, cfg.reserve_s)
 
 
 def check_compatible(saved: dict, meta: dict) -> list[str]:

@@ -95,10 +95,10 @@ class TrainConfig:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule={self.lr_schedule!r} is unknown; valid schedules: {list(LR_SCHEDULES)}")
         check_checkpointing(self)
+        defaults = {f.name: f.default for f in fields(self)}
         for flag, valid in (("reshard_after_forward", ("fsdp",)), ("cpu_offload", ("fsdp",)),
                             ("fsdp_bf16", ("fsdp",)), ("offload_optimizer", ("zero1", "zero2", "zero3"))):
-            # reshard_after_forward defaults to True: only turning it off is an FSDP-only choice
-            if getattr(self, flag) != (flag == "reshard_after_forward") and self.strategy not in valid:
+            if getattr(self, flag) != defaults[flag] and self.strategy not in valid:
                 raise ValueError(f"{flag}={getattr(self, flag)} has no effect with strategy={self.strategy!r}; "
                                  f"it applies to strategy {' / '.join(map(repr, valid))}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -207,9 +207,9 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
             with CommCounter() as counter:
                 last = step == cfg.steps - 1
                 if engine is not None:  # DeepSpeed accumulates and steps at the boundary itself
+                    # measured between backward and step, as the step frees gradients: a walk over
+                    # the engine's buffers, so inside the timed step
                     loss, measured = zero.train_step(engine, micros, measure=True)
-                    held.append(measured.total)
-                    states = measured if last else states
                 else:
                     loss = torch.zeros((), device=device)
                     for i, (xm, ym) in enumerate(micros):
@@ -231,21 +231,24 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
                         opt.step()
                     if sched is not None:
                         sched.step()
-                    measured = measured_model_states(model, opt)  # at its fullest: gradients not yet freed
-                    held.append(measured.total)
-                    states = measured if last else states
-                    opt.zero_grad(set_to_none=True)
             _sync(device)
             times.append(time.perf_counter() - t0)
+            if engine is None:  # counted outside the timed step; at its fullest: gradients not yet freed
+                measured = measured_model_states(model, opt)
+                opt.zero_grad(set_to_none=True)
+            held.append(measured.total)
+            states = measured if last else states
             comm_by_op.append(dict(counter.bytes))
             calls_by_op.append(dict(counter.calls))
             # Every rank computed the mean loss of its own shard; their mean is the global-batch loss.
-            loss = loss.detach()
-            local_losses.append(loss.item())
+            local = loss.detach()
+            loss = local.clone()
             if world > 1:
                 dist.all_reduce(loss)
                 loss /= world
-            losses.append(loss.item())
+            mine_loss, global_loss = torch.stack([local, loss]).tolist()  # one device sync, not two
+            local_losses.append(mine_loss)
+            losses.append(global_loss)
             bar.update()
             bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
             if ft.end_of_step(step + 1, losses):  # preempted: saved (if there was time); stop here
