@@ -1,11 +1,11 @@
-"""Packers side by side: rows and seconds on the same lengths, as ratios to ``labkit.packing.pack``.
+"""Packers side by side: rows and seconds on the same lengths, as ratios to ``labkit.feeding.packing.pack``.
 
     .venv/bin/python bench/bench_packing.py                       # 100k and 1M lognormal lengths
     .venv/bin/python bench/bench_packing.py --n 20000 --dist article --capacity 2048
 
 Packers:
 
-* ``labkit bfd``: ``labkit.packing.pack``, best-fit decreasing over the whole data set.
+* ``labkit bfd``: ``labkit.feeding.packing.pack``, best-fit decreasing over the whole data set.
 * ``trl bfd``: TRL's ``pack_dataset(ds, capacity, strategy="bfd")`` as people call it; it runs
   through ``Dataset.map(batched=True)``, whose default batch is 1,000 rows, so it packs each block of
   1,000 sequences on its own.
@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from labkit.packing import lower_bound, pack
+from labkit.feeding.packing import lower_bound, pack
 
 
 def lengths_for(dist: str, n: int, capacity: int, seed: int) -> np.ndarray:

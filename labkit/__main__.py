@@ -1,6 +1,6 @@
-"""``python -m labkit`` is the lab runner (see ``labkit.labs``)."""
+"""``python -m labkit`` is the lab runner (see :mod:`labkit.labs.cli`)."""
 import sys
 
-from labkit.labs import main
+from labkit.labs.cli import main
 
 sys.exit(main())

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from labkit.checkpoint_files import file_digest
+from labkit.fault_tolerance.files import file_digest
 from labkit.fault_tolerance import Checkpointer
-from labkit.model import GPTConfig
+from labkit.core.model import GPTConfig
 from labkit.train import TrainConfig, train
 
 

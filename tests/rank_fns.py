@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from labkit.data_parallel import BucketedDataParallel, NaiveDataParallel
+from labkit.parallel.data_parallel import BucketedDataParallel, NaiveDataParallel
 
 
 def rank_info(tag: str) -> dict:
@@ -78,9 +78,9 @@ def fsdp_losses_with_checkpointing(policy: str, steps: int = 3) -> list[float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from labkit.activation_checkpointing import apply
-    from labkit.data import get_batch, load_corpus
-    from labkit.model import GPTConfig, build_model
+    from labkit.parallel.activation_checkpointing import apply
+    from labkit.core.data import get_batch, load_corpus
+    from labkit.core.model import GPTConfig, build_model
 
     cfg = GPTConfig(block_size=32)
     model = apply(build_model(cfg, seed=0), policy)
@@ -106,8 +106,8 @@ def deepspeed_checkpoint_grads(policy: str) -> dict:
     """DeepSpeed's activation checkpointing on the GPT: gradients against no checkpointing."""
     import deepspeed
 
-    from labkit.activation_checkpointing import apply
-    from labkit.model import GPTConfig, build_model
+    from labkit.parallel.activation_checkpointing import apply
+    from labkit.core.model import GPTConfig, build_model
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     cfg = GPTConfig(block_size=32)

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 import rank_fns
-from labkit.activation_checkpointing import apply, largest_fit, measure_step, parse_policy
+from labkit.memory.recompute import largest_fit, measure_step
+from labkit.parallel.activation_checkpointing import apply, parse_policy
 from labkit.launch import launch
-from labkit.memory_probe import activation_bytes_per_layer_measured
-from labkit.model import GPTConfig, build_model
+from labkit.memory.probe import activation_bytes_per_layer_measured
+from labkit.core.model import GPTConfig, build_model
 from labkit.train import TrainConfig, train, train_many
 
 CFG = GPTConfig(n_layer=4, block_size=128)

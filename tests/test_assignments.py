@@ -18,7 +18,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.assignments import BOOK_ONLY, COURSE_DIR, exercise_cells, generate, main, nbgrader, source_notebook
+from labkit.labs.assignments import BOOK_ONLY, COURSE_DIR, exercise_cells, generate, main, nbgrader, source_notebook
 from labkit.labs import LABS_DIR, list_labs
 
 LABS = list_labs()

@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from labkit.labs import PROFILES
-from labkit.model_parallel import check_config
-from labkit.strategies import STRATEGIES
-from labkit.train import TrainConfig, build_parser
+from labkit.train.strategies import STRATEGIES
+from labkit.train import TrainConfig
+from labkit.train.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "cluster"
@@ -91,9 +91,7 @@ def _job_script(job: dict) -> str:
 def _rejects_checkpoints(strategy: str) -> bool:
     """Whether labkit.train refuses a checkpoint directory with this strategy (asked, not assumed)."""
     try:
-        cfg = TrainConfig(strategy=strategy, checkpoint_dir="ckpt")
-        if strategy in ("tp", "pp"):
-            check_config(cfg, strategy)  # what the tp and pp loops check first
+        TrainConfig(strategy=strategy, checkpoint_dir="ckpt")
     except ValueError:
         return True
     return False
@@ -104,8 +102,6 @@ def _check_train_argv(argv: list[str], strategy: str, stdout: str, ckpt: str) ->
     args = vars(build_parser().parse_args(argv[argv.index("labkit.train") + 1:]))
     cfg = TrainConfig(**{f.name: args[f.name] for f in fields(TrainConfig) if f.name in args})
     assert cfg.strategy == strategy
-    if strategy in ("tp", "pp"):
-        check_config(cfg, strategy)
     if _rejects_checkpoints(strategy):
         assert cfg.checkpoint_dir is None and "not checkpointed" in stdout and "step 0" in stdout, stdout
     else:
@@ -119,6 +115,7 @@ STUBS = {
                 '  "show node") echo "NodeName=$3 NodeAddr=10.0.0.1 State=IDLE" ;;\n  *) exit 1 ;;\nesac\n',
     "srun": 'printf "%s\\n" "$@" > "$ARGV_OUT"\n',
     "python": '[ "$1" = -c ] && exit 0\n[ "$1 $2" = "-m labkit" ] && exec "$REAL_PYTHON" "$@"\n'
+              'case " $* " in *" --can-checkpoint "*) exec "$REAL_PYTHON" "$@" ;; esac\n'
               'printf "%s\\n" "$@" > "$ARGV_OUT"\n',
 }
 # what the recipes read from the environment: never from the caller's
@@ -365,7 +362,7 @@ def test_lab_and_deepspeed_scripts_stop_early_naming_what_is_missing():
     out = _run("lab.sbatch")
     assert out.returncode == 2 and "LAB is not set" in out.stderr
     out = _run("lab.sbatch", LAB="data_parallel", PROFILE="huge", PYTHON=sys.executable)
-    assert out.returncode == 1 and "PROFILE='huge' is unknown for lab 'data_parallel'; valid profiles" in out.stderr
+    assert out.returncode == 2 and "PROFILE='huge' is unknown for lab 'data_parallel'; valid profiles" in out.stderr
     out = _run("deepspeed.sbatch", STRATEGY="ddp")
     assert out.returncode == 2 and "STRATEGY=ddp is not a DeepSpeed strategy; valid: zero1, zero2, zero3" in out.stderr
 

@@ -2,8 +2,9 @@ import math
 
 import pytest
 
-from labkit import cost
-from labkit.choose import choose_strategy, min_devices, rule_of_thumb
+from labkit.planning import cost
+from labkit.planning.accelerators import accelerator
+from labkit.planning.choose import choose_strategy, min_devices, rule_of_thumb
 
 
 def test_six_n_d_and_recompute():
@@ -16,7 +17,7 @@ def test_time_and_price():
     assert h == pytest.approx(6e21 / (8 * 312e12 * 0.5) / 3600)
     run = cost.price_run(1e9, 1e12, 8, "a100-80gb", mfu=0.5, preemptions_per_instance_per_day=0.1)
     assert run.gpu_hours == pytest.approx(8 * h)
-    assert run.cost_on_demand == pytest.approx(8 * h * cost.DEVICES["a100-80gb"].price_on_demand)
+    assert run.cost_on_demand == pytest.approx(8 * h * accelerator("a100-80gb").price_on_demand)
     assert run.spot_hours > run.hours  # preemptions cost time
 
 
@@ -69,10 +70,10 @@ def test_min_devices():
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda: cost.training_flops(0, 1e9), "n_params must be a positive number"),
+    (lambda: cost.training_flops(0, 1e9), "n_params must be a positive finite number"),
     (lambda: cost.training_flops(1e9, 1e9, "half"), "recompute='half' is unknown"),
     (lambda: cost.training_hours(1e20, 8, 312, 1.5), r"mfu must be in \(0, 1\]"),
-    (lambda: cost.device("tpu-v9"), "device='tpu-v9' is unknown; valid devices"),
+    (lambda: accelerator("tpu-v9"), "device='tpu-v9' is unknown; valid devices"),
     (lambda: cost.preemption_loss(18000, 24, 30, None), "hours_in must be in"),
     (lambda: cost.cluster_mtbf_hours(0, 0.1), "n_instances must be a positive integer"),
     (lambda: cost.training_hours(1e20, 3.5, 312, 0.4), "n_devices must be a positive integer, got 3.5"),

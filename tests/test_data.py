@@ -3,7 +3,7 @@ import hashlib
 import pytest
 import torch
 
-from labkit.data import CORPUS, check_shard, decode, get_batch, load_corpus, train_val_split
+from labkit.core.data import CORPUS, check_shard, decode, get_batch, load_corpus, train_val_split
 
 
 def test_shipped_corpus_is_the_public_domain_shakespeare():

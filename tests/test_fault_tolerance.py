@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from ft_rank_fns import Payload, deepspeed_resume, resign
-from labkit.fault_injection import Fault, read_log, run_with_faults
+from labkit.fault_tolerance.injection import Fault, read_log, run_with_faults
 from labkit.fault_tolerance import LOCAL, CheckpointError, Checkpointer
 from labkit.launch import launch
-from labkit.model import GPTConfig
-from labkit.preemption import EXIT, SAVE_AND_EXIT, PreemptionHandler, REQUEUE_EXIT_CODE
+from labkit.core.model import GPTConfig
+from labkit.fault_tolerance.preemption import EXIT, SAVE_AND_EXIT, PreemptionHandler, REQUEUE_EXIT_CODE
 from labkit.train import TrainConfig, main, train, train_many
 
 
@@ -381,7 +381,7 @@ def test_deepspeed_checkpoints_go_through_the_same_checkpointer(tmp_path):
 
 
 def test_checkpoint_benchmark_measures_a_restorable_state(tmp_path):
-    from labkit.checkpoint_bench import measure
+    from labkit.fault_tolerance.bench import measure
 
     r = measure(GPTConfig(block_size=16), tmp_path, repeats=1)
     assert r["restored_identical"] and r["state_gb"] > 0 and r["restore_s"] > 0

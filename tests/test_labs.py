@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from labkit.labs import OUT_DIR, PROFILES, list_labs, resolve, run_lab
-from labkit.model import GPT, GPTConfig
+from labkit.core.model import GPT, GPTConfig
 
 
 def test_every_lab_has_profiles_and_a_parameters_cell():
@@ -150,7 +150,7 @@ def test_unknown_profile_lab_and_override_are_named(tmp_path):
 
 
 def test_gpu_profile_is_a_real_cluster_run_not_the_cpu_one_renamed(monkeypatch):
-    import labkit.labs as labs
+    import labkit.labs.profiles as labs
 
     monkeypatch.setattr(labs, "_gpu_count", lambda: 0)
     with pytest.raises(ValueError, match="needs CUDA GPUs and found none"):

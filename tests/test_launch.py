@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import rank_fns
-from labkit.launch import RankError, check_device, launch
+from labkit.core.devices import check_device
+from labkit.launch import RankError, launch
 
 
 def _spawned_children() -> list[psutil.Process]:
@@ -74,7 +75,7 @@ def test_functions_defined_in_an_interactive_session_get_a_clear_error(monkeypat
 
 
 def test_bad_device_and_world_size_are_named():
-    with pytest.raises(ValueError, match=r"device='tpu' is not supported; valid devices: \['cpu', 'cuda'\]"):
+    with pytest.raises(ValueError, match=r"device='tpu' is unknown; valid devices: \['cpu', 'cuda'\]"):
         check_device("tpu")
     with pytest.raises(ValueError, match="world_size must be a positive integer"):
         launch(rank_fns.rank_info, "x", world_size=0)

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from labkit import memory as mem
-from labkit.memory_probe import (activation_bytes_per_layer_measured, fake_fsdp_memory,
+from labkit.memory.probe import (activation_bytes_per_layer_measured, fake_fsdp_memory,
                                  model_states_after_one_step, saved_activation_bytes)
-from labkit.model import GPT, GPTConfig, build_model
+from labkit.core.model import GPT, GPTConfig, build_model
 
 
 def test_zero_paper_figure_1():
@@ -115,7 +115,7 @@ def test_bad_input_is_named(call, match):
 
 
 def test_cli_prints_the_breakdown(capsys):
-    from labkit.estimate import main
+    from labkit.planning.cli import main
 
     assert main(["--model", "llama2-70b", "--devices", "8", "--tokens", "2e12"]) == 0
     out = capsys.readouterr().out

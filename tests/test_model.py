@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from labkit.model import GPT, GPTConfig, build_model
+from labkit.core.model import GPT, GPTConfig, build_model
 
 
 def test_default_config_is_the_small_cpu_model():

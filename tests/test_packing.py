@@ -1,4 +1,4 @@
-"""labkit.packing, labkit.batching and labkit.collate: valid, near-optimal packing, and packed == unpacked training."""
+"""labkit.feeding.packing, labkit.feeding.batching and labkit.feeding.collate: valid, near-optimal packing, and packed == unpacked training."""
 import math
 import subprocess
 import sys
@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit.batching import POLICIES, Batch, compare_policies, make_batches, padding_stats
-from labkit.collate import IGNORE, collate, segments
-from labkit.model import GPTConfig, build_model
-from labkit.packing import lower_bound, pack
+from labkit.feeding.batching import POLICIES, Batch, compare_policies, make_batches, padding_stats
+from labkit.feeding.collate import IGNORE, collate, segments
+from labkit.core.model import GPTConfig, build_model
+from labkit.feeding.packing import lower_bound, pack
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -135,7 +135,7 @@ def test_bad_input_names_the_parameter(call, match):
 
 
 def test_train_policies_names_bad_arguments():
-    from labkit.collate import train_policies
+    from labkit.feeding.collate import train_policies
 
     docs = [torch.arange(4)] * 2
     for kwargs, match in [(dict(steps=0), "steps must be a positive integer, got 0"),

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from labkit.pipeline import StallReport, StepRecord, analytic_wait_fraction, classify, count_tokens, measure_stalls
-from labkit.pipeline_data import (IGNORE, PAD_ID, MemmapSamples, SleepBatches, TextSamples, epochs,
+from labkit.feeding.stalls import StallReport, StepRecord, analytic_wait_fraction, classify, count_tokens, measure_stalls
+from labkit.feeding.workloads import (IGNORE, PAD_ID, MemmapSamples, SleepBatches, TextSamples, epochs,
                                   pretokenize, speeches)
-from labkit.prefetch import BackgroundPrefetcher
+from labkit.feeding.prefetch import BackgroundPrefetcher
 
 # Sleeps, not CPU work: a sleep's length does not depend on what else the 2 cores are running.
 LOAD_S, COMPUTE_S = 0.08, 0.05

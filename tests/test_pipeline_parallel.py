@@ -8,12 +8,10 @@ import torch
 
 from tp_pp_fns import one_thread
 from labkit.launch import launch
-from labkit.model import GPT, GPTConfig, build_model
-from labkit.model_parallel import run_many
-from labkit.pipeline_parallel import (GPTStage, check_pp, schedule_order, stage_bounds, stage_params,
-                                      train_pp)
-from labkit.pp_timeline import ActivationMeter, Event, bubble_formula, bubble_fraction
-from labkit.train import TrainConfig, train
+from labkit.core.model import GPT, GPTConfig, build_model
+from labkit.parallel.pipeline_parallel import GPTStage, check_pp, schedule_order, stage_bounds, stage_params
+from labkit.parallel.pipeline_timeline import ActivationMeter, Event, bubble_formula, bubble_fraction
+from labkit.train import TrainConfig, train, train_many
 
 MODEL = GPTConfig(block_size=32, n_layer=4)
 # lr 1e-3: at the default 3e-3 seed 0 spikes at step 15 and amplifies last-bit differences; there even
@@ -26,10 +24,14 @@ LOSS_TOL = 1e-5
 # last-bit differences up where a gradient is near zero (measured 8e-5 after 20 steps at lr 3e-3). A
 # wrong pipeline (a stage without gradients, an unsynced tied copy) is off by ~lr per step.
 PARAM_TOL = 3e-4
-VARIANTS = {"torch_gpipe": dict(impl="torch", schedule="gpipe"), "torch_1f1b": dict(impl="torch", schedule="1f1b"),
-            "scratch_gpipe": dict(impl="scratch", schedule="gpipe"),
-            "scratch_1f1b": dict(impl="scratch", schedule="1f1b"),
-            "torch_interleaved": dict(impl="torch", schedule="interleaved")}
+VARIANTS = {"torch_gpipe": ("pp", "gpipe"), "torch_1f1b": ("pp", "1f1b"), "scratch_gpipe": ("pp_scratch", "gpipe"),
+            "scratch_1f1b": ("pp_scratch", "1f1b"), "torch_interleaved": ("pp", "interleaved")}
+# What the one loop gives every strategy, on pipelines too: a warmed-up cosine schedule, clipping that
+# bites, recomputation, bf16 autocast; each against one process doing the same.
+EXTRAS = {"cosine_clip_full": dict(lr_schedule="cosine", warmup_steps=2, grad_clip=0.05,
+                                   activation_checkpointing="full", steps=8),
+          "every2_bf16": dict(activation_checkpointing="every:2", precision="bf16", steps=6)}
+EXTRA_TOL = {"cosine_clip_full": LOSS_TOL, "every2_bf16": 2e-3}  # bf16: the tolerance of test_sharded
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +42,22 @@ def ref():
 
 @pytest.fixture(scope="module")
 def runs():
-    variants = [dict(v, microbatches=M) for v in VARIANTS.values()]
-    out = launch(run_many, train_pp, CFG, MODEL, variants, world_size=2, timeout=240)
-    return [dict(zip(VARIANTS, rank)) for rank in out]
+    names = list(VARIANTS) + [f"{e}/{s}" for e in EXTRAS for s in ("pp", "pp_scratch")]
+    configs = [replace(CFG, strategy=st, pp_schedule=sc, microbatches=M) for st, sc in VARIANTS.values()]
+    configs += [replace(CFG, strategy=s, microbatches=M, pp_schedule="1f1b", **kw) for kw in EXTRAS.values()
+                for s in ("pp", "pp_scratch")]
+    out = launch(train_many, configs, MODEL, world_size=2, timeout=300)
+    return [dict(zip(names, rank)) for rank in out]
+
+
+@pytest.mark.parametrize("extra", list(EXTRAS))
+def test_schedules_clipping_precision_and_recomputation_reach_pipelines(runs, extra):
+    with one_thread():
+        want = train(replace(CFG, grad_accum=M, **EXTRAS[extra]), MODEL)  # the same microbatches, one process
+    for s in ("pp", "pp_scratch"):
+        got = runs[0][f"{extra}/{s}"]
+        diff = np.abs(np.array(want["loss"]) - np.array(got["loss"])).max()
+        assert diff < EXTRA_TOL[extra], (extra, s, diff)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -103,9 +118,8 @@ def test_bubble_shrinks_with_microbatches_and_never_beats_the_formula():
     """Measured on two ranks: idle share of the step for m = 1 and m = 8 microbatches of 2 rows."""
     model = GPTConfig(block_size=64, n_layer=4, n_embd=128, n_head=4)
     ms = (1, 8)
-    runs = launch(run_many, train_pp, TrainConfig(steps=3), model, [
-        dict(config={"batch_size": 2 * m}, microbatches=m, schedule="gpipe", impl="scratch") for m in ms],
-        world_size=2, timeout=120)[0]
+    runs = launch(train_many, [TrainConfig(strategy="pp_scratch", steps=3, batch_size=2 * m, microbatches=m,
+                                           pp_schedule="gpipe") for m in ms], model, world_size=2, timeout=120)[0]
     out = dict(zip(ms, runs))
     for m, r in out.items():
         assert r["bubble_formula"] == bubble_formula(2, m)
@@ -153,29 +167,31 @@ def test_bad_pipeline_shapes_are_clear_errors():
     with pytest.raises(ValueError, match=r"pp=3 .* needs 3 stages but the model has n_layer=2"):
         check_pp(3, 2, 4, "gpipe")
     with pytest.raises(ValueError, match=r"pp=3 .* needs 3 stages"):
-        train_pp(CFG, GPTConfig(n_layer=2), pp=3, impl="scratch")  # before any communication
-    with pytest.raises(ValueError, match=r"schedule='1f1b' needs microbatches >= pp: microbatches=2 < pp=4"):
+        train(replace(CFG, strategy="pp_scratch", pp=3), GPTConfig(n_layer=2))  # before any communication
+    with pytest.raises(ValueError, match=r"pp_schedule='1f1b' needs microbatches >= pp: microbatches=2 < pp=4"):
         check_pp(4, 4, 2, "1f1b")
     with pytest.raises(ValueError, match=r"'interleaved' needs 4 stages"):
         check_pp(2, 3, 4, "interleaved")
-    with pytest.raises(ValueError, match=r"schedule='zb' is unknown; valid schedules"):
+    with pytest.raises(ValueError, match=r"pp_schedule='zb' is unknown; valid pipeline schedules"):
         check_pp(2, 4, 4, "zb")
     with pytest.raises(ValueError, match=r"microbatches=3 must divide batch_size=8"):
         check_pp(2, 4, 3, "gpipe", batch_size=8)
-    with pytest.raises(ValueError, match="grad_accum=2 is not used with pipelining"):
-        train_pp(replace(CFG, grad_accum=2), MODEL, pp=1, impl="scratch")
+    with pytest.raises(ValueError, match="grad_accum=2 is not used with strategy='pp_scratch': its microbatches"):
+        replace(CFG, strategy="pp_scratch", grad_accum=2)
     with pytest.raises(ValueError, match=r"'interleaved' needs microbatches divisible by its 2 rounds .*"
                                          r"microbatches=5 with pp=2"):
         check_pp(2, 4, 5, "interleaved")
-    with pytest.raises(ValueError, match=r"'interleaved' needs torch pipelining on several ranks"):
+    with pytest.raises(ValueError, match=r"'interleaved' needs torch pipelining \(strategy 'pp'\)"):
         check_pp(2, 4, 4, "interleaved", impl="scratch")
+    with pytest.raises(ValueError, match=r"'interleaved' needs torch pipelining \(strategy 'pp'\)"):
+        TrainConfig(strategy="pp_scratch", pp_schedule="interleaved")
     check_pp(2, 4, 6, "interleaved")  # 3 rounds of 2
     check_pp(2, 4, 1, "gpipe")  # GPipe runs with one microbatch (no pipelining, all bubble)
 
 
 def test_one_stage_pipeline_is_plain_training(ref):
     with one_thread():
-        r = train_pp(replace(CFG, steps=3), MODEL, pp=1, microbatches=M, schedule="1f1b", impl="scratch")
+        r = train(replace(CFG, strategy="pp_scratch", steps=3, microbatches=M, pp_schedule="1f1b"), MODEL)
     assert np.abs(np.array(r["loss"]) - np.array(ref["loss"][:3])).max() < LOSS_TOL
     assert r["bubble_formula"] == 0.0
 
@@ -184,15 +200,18 @@ def test_train_dispatches_tp_and_pp_with_the_same_result_keys():
     """`python -m labkit.train --strategy tp|pp` goes through labkit.train.train like every strategy."""
     import numpy as np
 
-    from labkit.model import GPTConfig
+    from labkit.core.model import GPTConfig
     from labkit.train import TrainConfig, train
 
     model = GPTConfig(block_size=32)
     ref = train(TrainConfig(steps=3, lr=1e-3), model)
-    for strategy in ("tp", "pp"):
+    for strategy in ("tp", "pp_scratch"):
         r = train(TrainConfig(strategy=strategy, steps=3, lr=1e-3), model)
         assert r["strategy"] == strategy and np.abs(np.array(r["loss"]) - np.array(ref["loss"])).max() < 1e-5
         assert {"loss", "step_time_s", "ranks", "world_size", "n_params", "grad_bytes"} <= set(r)
     assert "bubble_fraction" in r
-    with pytest.raises(ValueError, match=r"schedule='x' is unknown; valid schedules: \['gpipe', '1f1b', 'interleaved'\]"):
-        TrainConfig(strategy="pp", schedule="x")
+    with pytest.raises(ValueError, match=r"pp_schedule='x' is unknown; valid pipeline schedules: "
+                                         r"\['gpipe', '1f1b', 'interleaved'\]"):
+        TrainConfig(strategy="pp", pp_schedule="x")
+    with pytest.raises(ValueError, match=r"strategy='pp' needs a process group"):
+        train(TrainConfig(strategy="pp", steps=1), model)

@@ -4,9 +4,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from labkit.core.model import GPTConfig
 from labkit.launch import launch
-from labkit.model import GPTConfig
-from labkit.train import TrainConfig, train, train_many
+from labkit.memory import deepspeed_states as zero
+from labkit.parallel import deepspeed_zero
+from labkit.train import TrainConfig, strategy, train, train_many
 
 MODEL = GPTConfig(block_size=32)
 BASE = TrainConfig(steps=20, batch_size=8, return_params=True)
@@ -107,7 +109,8 @@ def test_gradient_accumulation_matches_and_shows_zero1_vs_zero2():
     every micro-batch (it keeps only its gradient partition), ZeRO-1 once per step."""
     base = TrainConfig(steps=4, batch_size=8, grad_accum=2)
     ref = train(TrainConfig(steps=4, batch_size=8), MODEL)
-    out = launch(train_many, [replace(base, strategy=s) for s in ("ddp", "fsdp", "zero1", "zero2")],
+    out = launch(train_many, [replace(base, strategy=s) for s in ("ddp", "fsdp", "zero1", "zero2", "dp_naive",
+                                                                 "dp_bucketed", "zero1_scratch")],
                  MODEL, world_size=2, timeout=900)[0]
     runs = {r["strategy"]: r for r in out}
     for name, r in runs.items():
@@ -116,13 +119,15 @@ def test_gradient_accumulation_matches_and_shows_zero1_vs_zero2():
     last = {s: runs[s]["ranks"][0]["comm_bytes_per_step"][-1] for s in ("ddp", "zero1", "zero2")}
     reduced = {s: b.get("allreduce", 0) + b.get("reduce", 0) for s, b in last.items()}
     assert reduced["ddp"] == psi  # no_sync on the first micro-batch
+    for s in ("dp_naive", "dp_bucketed"):  # the hand-written ones skip it too
+        assert runs[s]["ranks"][0]["allreduce_bytes_per_step"][-1] == psi, s
     assert reduced["zero1"] == pytest.approx(psi, abs=64)  # plus a few scalars (overflow checks)
     assert reduced["zero2"] == pytest.approx(2 * psi, abs=64)
 
 
 def test_bad_grad_accum_is_named():
-    with pytest.raises(ValueError, match="grad_accum=2 is not implemented for strategy='dp_naive'"):
-        TrainConfig(strategy="dp_naive", grad_accum=2)
+    with pytest.raises(ValueError, match="grad_accum=2 is not used with strategy='pp': its microbatches"):
+        TrainConfig(strategy="pp", grad_accum=2)
     with pytest.raises(ValueError, match="grad_accum=3 must divide the 8 rows each rank gets per step"):
         train(TrainConfig(steps=1, batch_size=8, grad_accum=3), MODEL)
 
@@ -141,7 +146,7 @@ def test_hand_written_zero1_matches_deepspeed_and_moves_2psi(runs, deepspeed_run
 
 
 def _numels(cfg: GPTConfig) -> list[int]:
-    from labkit.model import build_model
+    from labkit.core.model import build_model
 
     return [p.numel() for p in build_model(cfg).parameters()]
 
@@ -149,13 +154,11 @@ def _numels(cfg: GPTConfig) -> list[int]:
 def test_deepspeed_model_states_match_to_the_byte_on_every_rank(deepspeed_runs):
     """At an accumulation boundary: every rank's measured bytes equal labkit.zero's prediction
     exactly, and the ZeRO paper's model within the straddling-parameter overhead."""
-    from labkit import zero
-
     numels = _numels(MODEL)
     for s, r in deepspeed_runs.items():
         for rank in r["ranks"]:
             got = rank["model_state_bytes"]
-            want = zero.predicted_model_states(numels, 2, rank["rank"], zero.STAGES[s])
+            want = zero.predicted_model_states(numels, 2, rank["rank"], strategy(s).zero_stage)
             assert (got["params"], got["grads"], got["optimizer"]) == (want.params, want.grads, want.optimizer), s
             paper = r["predicted_model_state_bytes"]
             assert got["params"] == paper["params"] and abs(got["optimizer"] - paper["optimizer"]) <= 4
@@ -168,8 +171,6 @@ def test_deepspeed_model_states_match_to_the_byte_on_every_rank(deepspeed_runs):
 def test_deepspeed_model_states_while_accumulating_show_zero1_vs_zero2():
     """Between micro-batches ZeRO-1 holds full gradients, ZeRO-2 and ZeRO-3 their partition:
     exact on every rank, also with 3 ranks and a model whose size 3 does not divide."""
-    from labkit import zero
-
     model = GPTConfig(n_head=3, n_embd=39, block_size=31)
     numels = _numels(model)
     base = TrainConfig(steps=2, batch_size=12, grad_accum=2)
@@ -180,15 +181,13 @@ def test_deepspeed_model_states_while_accumulating_show_zero1_vs_zero2():
     for r in out:
         for rank in r["ranks"]:
             got = rank["model_state_bytes"]
-            want = zero.predicted_model_states(numels, 3, rank["rank"], zero.STAGES[r["strategy"]], accumulating=True)
+            want = zero.predicted_model_states(numels, 3, rank["rank"], strategy(r["strategy"]).zero_stage, accumulating=True)
             assert (got["params"], got["grads"], got["optimizer"]) == (want.params, want.grads, want.optimizer)
         held[r["strategy"]] = r["ranks"][0]["model_state_bytes"]["grads"]
     assert held["zero1"] == 4 * sum(numels) and held["zero2"] < 0.6 * held["zero1"]
 
 
 def test_predicted_deepspeed_states_reject_bad_input():
-    from labkit import zero
-
     with pytest.raises(ValueError, match=r"stage=0 is unknown; valid ZeRO stages for DeepSpeed: \[1, 2, 3\]"):
         zero.predicted_model_states([4, 4], 2, 0, 0)
     with pytest.raises(ValueError, match=r"rank=2 must be in \[0, world_size=2\)"):
@@ -206,13 +205,11 @@ def test_missing_or_broken_deepspeed_says_what_to_do(monkeypatch):
 
     import torch
 
-    from labkit import zero
-
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if it were not installed
     with pytest.raises(RuntimeError, match=r"need DeepSpeed: install the pinned requirements"):
-        zero.initialize(model, opt, {})
+        deepspeed_zero.initialize(model, opt, {}, torch.device("cpu"))
     monkeypatch.undo()
 
     import deepspeed
@@ -222,9 +219,9 @@ def test_missing_or_broken_deepspeed_says_what_to_do(monkeypatch):
 
     monkeypatch.setattr(deepspeed, "init_distributed", fail)
     with pytest.raises(RuntimeError, match="check that g\\+\\+ is installed and TORCH_EXTENSIONS_DIR is writable"):
-        zero.initialize(model, opt, {})
+        deepspeed_zero.initialize(model, opt, {}, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"stage=4 is unknown; valid ZeRO stages for DeepSpeed: \[1, 2, 3\]"):
-        zero.deepspeed_config(4, 1, 2)
+        deepspeed_zero.deepspeed_config(4, 1, 2)
 
 
 def test_bf16_strategies_match_single_process_bf16_within_stated_tolerances():

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from labkit.fault_tolerance import Checkpointer
-from labkit.model import GPTConfig
+from labkit.core.model import GPTConfig
 from labkit.train import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parent.parent

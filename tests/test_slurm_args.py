@@ -4,9 +4,9 @@ Pure Python, no Slurm needed, so these run everywhere (tests/test_slurm.py needs
 """
 import pytest
 
-import labkit.slurm_launch as slurm_launch
+import labkit.launch.slurm as slurm_launch
 from labkit.launch import launch
-from labkit.slurm_launch import SLURM_OPTIONS, launch_slurm
+from labkit.launch.slurm import SLURM_OPTIONS, launch_slurm
 
 
 @pytest.fixture
@@ -65,5 +65,5 @@ def test_launch_slurm_rejects_bad_input():
         launch_slurm(print, nodes=0)
     with pytest.raises(ValueError, match="time_min must be a positive integer, got 0"):
         launch_slurm(print, time_min=0)
-    with pytest.raises(ValueError, match=r"device='tpu' is not supported; valid devices: \['cpu', 'cuda'\]"):
+    with pytest.raises(ValueError, match=r"device='tpu' is unknown; valid devices: \['cpu', 'cuda'\]"):
         launch_slurm(print, device="tpu")

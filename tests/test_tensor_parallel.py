@@ -8,9 +8,9 @@ import torch
 import tp_pp_fns
 from tp_pp_fns import one_thread
 from labkit.launch import launch
-from labkit.model import GPT, GPTConfig
-from labkit.tensor_parallel import (check_tp, comm_bytes_per_layer, params_per_rank, qkv_from_rank_major,
-                                    qkv_to_rank_major, train_tp)
+from labkit.core.model import GPT, GPTConfig
+from labkit.parallel.tensor_parallel import (check_tp, comm_bytes_per_layer, params_per_rank, qkv_from_rank_major,
+                                             qkv_to_rank_major)
 from labkit.train import TrainConfig, train
 
 MODEL = GPTConfig(block_size=32, n_head=4)
@@ -21,8 +21,13 @@ LOSS_TOL = 1e-5
 # such differences up where a gradient is near zero (measured 1e-4 after 20 steps at lr 3e-3). A wrong
 # split is off by ~lr per step.
 PARAM_TOL = 3e-4
-VARIANTS = {"dtensor": {"impl": "dtensor"}, "scratch": {"impl": "scratch"},
-            "dtensor_sp": {"impl": "dtensor", "sequence_parallel": True}}
+VARIANTS = {"dtensor": replace(CFG, strategy="tp"), "scratch": replace(CFG, strategy="tp_scratch"),
+            "dtensor_sp": replace(CFG, strategy="tp", sequence_parallel=True)}
+# What the one loop gives every strategy, on tensor parallelism too: a warmed-up cosine schedule,
+# clipping that bites, recomputation (and bf16 autocast), each against one process doing the same.
+EXTRAS = {"cosine_clip_full": dict(lr_schedule="cosine", warmup_steps=2, grad_clip=0.05,
+                                   activation_checkpointing="full", steps=8),
+          "selective_grad_accum": dict(activation_checkpointing="selective", grad_accum=2, steps=6)}
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +38,26 @@ def ref():
 
 @pytest.fixture(scope="module")
 def suite():
-    return launch(tp_pp_fns.tp_suite, CFG, MODEL, list(VARIANTS.values()), world_size=2, timeout=240)
+    extras = [replace(CFG, strategy=s, **kw) for kw in EXTRAS.values() for s in ("tp", "tp_scratch")]
+    return launch(tp_pp_fns.tp_suite, list(VARIANTS.values()) + extras, MODEL, world_size=2, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def runs(suite):
-    return [dict(zip(VARIANTS, rank["runs"])) for rank in suite]
+    return [dict(zip(list(VARIANTS) + [f"{e}/{s}" for e in EXTRAS for s in ("tp", "tp_scratch")], rank["runs"]))
+            for rank in suite]
+
+
+@pytest.mark.parametrize("extra", list(EXTRAS))
+def test_schedules_clipping_and_recomputation_reach_tensor_parallelism(runs, extra):
+    with one_thread():
+        want = train(replace(CFG, **EXTRAS[extra]), MODEL)
+    for s in ("tp", "tp_scratch"):
+        got = runs[0][f"{extra}/{s}"]
+        assert got["activation_checkpointing"] == EXTRAS[extra]["activation_checkpointing"]
+        diff = np.abs(np.array(want["loss"]) - np.array(got["loss"])).max()
+        assert diff < LOSS_TOL, (extra, s, diff)
+        assert _max_param_diff(want, got) < PARAM_TOL, (extra, s)
 
 
 def _max_param_diff(a, b):
@@ -97,7 +116,7 @@ def test_memory_per_rank_is_the_split_model(runs):
 def test_fsdp_times_tp_on_a_2x2_mesh_matches_single_process(ref):
     """2-D: FSDP2 over 2 data-parallel groups of 2 tensor-parallel ranks (4 ranks on CPU)."""
     cfg = replace(CFG, steps=6)
-    r = launch(train_tp, cfg, MODEL, world_size=4, tp=2, timeout=240, quiet=True)[0]
+    r = launch(train, replace(cfg, strategy="tp", tp=2), MODEL, world_size=4, timeout=240, quiet=True)[0]
     assert (r["tp"], r["dp"]) == (2, 2)
     assert np.abs(np.array(ref["loss"][:6]) - np.array(r["loss"])).max() < LOSS_TOL
     states = r["ranks"][0]["model_state_bytes"]
@@ -132,12 +151,13 @@ def test_bad_tensor_parallel_degrees_are_clear_errors():
     with pytest.raises(ValueError, match=r"tp=3 must divide n_head=4.*valid tp values: \[1, 2, 4\]"):
         check_tp(3, MODEL)
     with pytest.raises(ValueError, match=r"tp=8 must divide n_head=4"):
-        train_tp(CFG, MODEL, tp=8)  # before any communication
+        train(replace(CFG, strategy="tp", tp=8), MODEL)  # before any communication
     with pytest.raises(ValueError, match=r"tp=4 must divide world_size=2"):
         check_tp(4, MODEL, world_size=2)
     with pytest.raises(ValueError, match="tp must be a positive integer"):
         check_tp(0, MODEL)
-    with pytest.raises(ValueError, match="impl='megatron' is unknown"):
-        train_tp(CFG, MODEL, tp=1, impl="megatron")
-    with pytest.raises(ValueError, match="activation_checkpointing='full' is not supported"):
-        train_tp(replace(CFG, activation_checkpointing="full"), MODEL, tp=1)
+    with pytest.raises(ValueError, match=r"sequence_parallel=True has no effect with strategy='tp_scratch'; it "
+                                         r"applies to strategy 'tp'"):
+        TrainConfig(strategy="tp_scratch", sequence_parallel=True)
+    with pytest.raises(ValueError, match="checkpoint_dir is not supported with strategy='tp_scratch'"):
+        TrainConfig(strategy="tp_scratch", checkpoint_dir="ckpt")

@@ -6,9 +6,9 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from labkit.comm import CommCounter
-from labkit.model import GPTConfig, build_model
-from labkit.tensor_parallel import ColumnParallelLinear, RowParallelLinear, parallelize_dtensor
+from labkit.comm.counter import CommCounter
+from labkit.core.model import GPTConfig, build_model
+from labkit.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, parallelize_dtensor
 
 
 def mlp_three_ways(seed: int = 0) -> dict:
@@ -37,12 +37,11 @@ def mlp_three_ways(seed: int = 0) -> dict:
     return out
 
 
-def tp_suite(cfg, model_cfg, variants: list[dict]) -> dict:
+def tp_suite(configs, model_cfg) -> dict:
     """The TP training runs and the MLP check in one launch (a launch costs seconds on two cores)."""
-    from labkit.model_parallel import run_many
-    from labkit.tensor_parallel import train_tp
+    from labkit.train import train_many
 
-    return {"runs": run_many(train_tp, cfg, model_cfg, variants), "mlp": mlp_three_ways()}
+    return {"runs": train_many(configs, model_cfg), "mlp": mlp_three_ways()}
 
 
 @contextmanager

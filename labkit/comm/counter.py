@@ -1,0 +1,84 @@
+"""Count what the real collectives are handed: calls and payload bytes per op, for any strategy.
+
+:class:`CommCounter` is a ``TorchDispatchMode``: every c10d collective (the ops DDP's C++ reducer,
+FSDP2 and DTensor all dispatch through) passes through it, so it counts calls and payload bytes of
+any strategy without patching ``torch.distributed``. :func:`ring_volume` turns those payloads into
+the bytes a rank sends under ring algorithms, the unit of the ZeRO paper's volume accounting.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def _tensor_bytes(a) -> int:
+    if isinstance(a, torch.Tensor):
+        return a.numel() * a.element_size()
+    if isinstance(a, (list, tuple)) and a:
+        flat = [t for x in a for t in (x if isinstance(x, (list, tuple)) else [x])]
+        if all(isinstance(t, torch.Tensor) for t in flat):
+            return sum(t.numel() * t.element_size() for t in flat)
+    return 0
+
+
+def _payload_bytes(name: str, args: tuple) -> int:
+    """Bytes of the *whole* tensor a collective works on, whichever argument holds it.
+
+    All-reduce and broadcast: the tensor. All-gather: the gathered output (the first argument of
+    ``_allgather_base_``). Reduce-scatter: the full input (the second argument of
+    ``_reduce_scatter_base_``). This is the Psi of the ZeRO paper's volume accounting.
+    """
+    tensors = [a for a in args if _tensor_bytes(a)]
+    if not tensors:
+        return 0
+    if "reduce_scatter" in name and len(tensors) > 1:
+        return _tensor_bytes(tensors[1])
+    return _tensor_bytes(tensors[0])
+
+
+# Bytes each rank sends per byte of payload, for ring algorithms over N ranks: an all-reduce is a
+# reduce-scatter plus an all-gather, each moving (N-1)/N of the payload.
+RING_FACTOR = {"allreduce": 2, "allgather_base": 1, "allgather": 1, "reduce_scatter_base": 1,
+               "reduce_scatter": 1, "reduce": 1}
+
+
+def ring_volume(bytes_by_op: dict[str, int], world_size: int) -> float:
+    """Bytes one rank sends for these collectives under ring algorithms: sum of factor x (N-1)/N x payload."""
+    frac = (world_size - 1) / world_size
+    return sum(RING_FACTOR.get(op, 0) * b * frac for op, b in bytes_by_op.items())
+
+
+class CommCounter(TorchDispatchMode):
+    """Count collective calls and payload bytes per op name while active.
+
+    ``with CommCounter() as c: step()`` then ``c.bytes["allreduce"]``, ``c.calls["allreduce"]``.
+    Op names drop the namespace and the trailing underscore (``c10d.allreduce_`` -> ``allreduce``).
+    """
+
+    NAMESPACES = ("c10d", "_c10d_functional")
+    # DTensor's functional collectives are followed by a wait_tensor on their result and wrapped for
+    # autograd: ops in these namespaces that move no data (counting them would double the bytes).
+    NO_DATA = ("wait_tensor", "wrap_tensor_autograd")
+    # The functional collectives under the c10d names that ring_volume and the labs use.
+    C10D_NAME = {"all_reduce": "allreduce", "all_gather_into_tensor": "allgather_base",
+                 "reduce_scatter_tensor": "reduce_scatter_base"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in self.NAMESPACES:
+            name = func._schema.name.split("::")[-1].rstrip("_").lstrip("_")
+            if name not in self.NO_DATA:
+                name = self.C10D_NAME.get(name, name)
+                self.calls[name] += 1
+                self.bytes[name] += _payload_bytes(name, args)
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())

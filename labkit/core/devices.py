@@ -1,0 +1,85 @@
+"""Devices and process groups: which device a rank computes on, which backend its collectives use.
+
+CPU ranks talk over gloo; ``device="cuda"`` puts one GPU under each rank and talks over NCCL
+(PyTorch docs, "Distributed communication package", backends). A CUDA group is started as
+``"cpu:gloo,cuda:nccl"``: NCCL carries the GPU tensors and gloo whatever lives in host memory
+(CPU-offloaded FSDP shards, object collectives), so no collective ever finds "no backend for
+device type cpu". Nothing here assumes CUDA exists.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from labkit.core.checks import one_of, positive_int
+
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_device(device: str, world_size: int = 1) -> None:
+    """Clear errors for an unknown device type or more CUDA ranks than GPUs."""
+    one_of("device", device, DEVICE_TYPES, "devices")
+    positive_int("world_size", world_size)
+    if device == "cuda" and cuda_count() < world_size:
+        n = cuda_count()
+        raise ValueError(f"device='cuda' with world_size={world_size} needs {world_size} GPUs, found {n}; "
+                         f"use world_size<={n}" + ("" if n else " or device='cpu'"))
+
+
+def backend_for(device: str) -> str:
+    """The process-group backend string for ranks on ``device``."""
+    return "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+
+
+def rank_device(device: str, local_rank: int = 0) -> torch.device:
+    """The device this rank computes on (and, on CUDA, makes current)."""
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def current_device(device: str) -> torch.device:
+    """The ``torch.device`` of a rank that already chose its GPU (``rank_device``)."""
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+
+
+def comm_device() -> torch.device:
+    """Where a tensor must live to go through the default group: the rank's GPU under NCCL."""
+    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued kernels: CUDA runs them asynchronously, so timings must wait."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rank_and_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default group, ``(0, 1)`` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``obj``, indexed by rank (``[obj]`` without a process group); a collective."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def share_cores(local_ranks: int) -> None:
+    """N ranks on one host, each defaulting to every core, oversubscribe the CPU badly."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))

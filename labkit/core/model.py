@@ -1,0 +1,171 @@
+"""A small GPT: the one model every lab trains.
+
+Decoder-only transformer as in Radford et al. 2019 (GPT-2): token + learned position embeddings,
+pre-norm blocks of causal self-attention and an MLP, a final LayerNorm and a head tied to the token
+embedding (Press & Wolf 2017). Plain PyTorch on purpose: this module imports nothing distributed.
+Strategies wrap it from outside, which is why the blocks live in an ``nn.ModuleList``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from labkit.core.checks import positive_int
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of the GPT. The defaults are the CPU lab model (~0.1 M parameters)."""
+
+    vocab_size: int = 256  # byte-level: every byte is a token
+    block_size: int = 64  # longest sequence (context length)
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
+    dropout: float = 0.0  # 0 keeps parallel runs comparable step by step
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            positive_int(f"GPTConfig.{name}", getattr(self, name))
+        if self.n_embd % self.n_head:
+            divisors = [h for h in range(1, self.n_embd + 1) if self.n_embd % h == 0]
+            raise ValueError(
+                f"GPTConfig.n_head={self.n_head} must divide n_embd={self.n_embd}; "
+                f"valid n_head values: {divisors}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention (Vaswani et al. 2017), fused QKV projection."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        # (B, T, C) -> (B, heads, T, head_dim)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # is_causal=True lets SDPA pick its fused causal kernels; a packed batch brings its own mask.
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+            dropout_p=self.dropout if self.training else 0.0,
+        )
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attn_mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig | None = None) -> None:
+        super().__init__()
+        self.config = cfg = cfg or GPTConfig()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.head.weight = self.wte.weight  # weight tying: one tensor, two uses
+        self.apply(self._init_weights)
+        # GPT-2's scaled init of residual projections keeps the residual stream's variance flat.
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self) -> int:
+        """Trainable parameters, the tied embedding counted once."""
+        return sum(p.numel() for p in self.parameters())
+
+    @staticmethod
+    def count_params(cfg: GPTConfig) -> int:
+        """The same count from the config alone, without building the model."""
+        C, b = cfg.n_embd, int(cfg.bias)
+        ln = C * (1 + b)
+        block = 2 * ln + (3 * C * C + 3 * C * b) + (C * C + C * b) + (4 * C * C + 4 * C * b) + (4 * C * C + C * b)
+        return cfg.vocab_size * C + cfg.block_size * C + cfg.n_layer * block + ln
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits and, with ``targets``, the mean cross-entropy over targets that are not -100.
+
+        Packed rows (``labkit.collate``) pass ``position_ids`` (restarting per sequence) and
+        ``doc_ids`` (which sequence each token belongs to): a token then attends only to earlier
+        tokens with its own doc id, a block-diagonal causal mask (Krell et al. 2021).
+        """
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
+        for name, t in (("position_ids", position_ids), ("doc_ids", doc_ids)):
+            if t is not None and t.shape != idx.shape:
+                raise ValueError(f"{name} must have the shape of idx {tuple(idx.shape)}, got {tuple(t.shape)}")
+        pos = torch.arange(T, device=idx.device) if position_ids is None else position_ids
+        mask = None
+        if doc_ids is not None:
+            causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
+            mask = ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]  # (B, 1, T, T)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x) if mask is None else block(x, mask)
+        logits = self.head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+
+
+def build_model(cfg: GPTConfig | None = None, seed: int = 0) -> GPT:
+    """The GPT with weights fixed by ``seed``, identical on every rank and in every strategy."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GPT(cfg)

@@ -1,0 +1,28 @@
+"""Keeping a run alive: checkpoints that survive any kill, bit-exact resume, preemption, faults on purpose.
+
+* :mod:`labkit.fault_tolerance.checkpointer`: :class:`Checkpointer`, atomic, checksummed, retained,
+  optionally asynchronous checkpoints over DCP (and DeepSpeed's own format).
+* :mod:`labkit.fault_tolerance.files`: the checkpoint's files: layout, checksums, durable writes, safe reads.
+* :mod:`labkit.fault_tolerance.resume`: the training state a bit-exact resume needs, saved and restored.
+* :mod:`labkit.fault_tolerance.rng`: every RNG state of a rank.
+* :mod:`labkit.fault_tolerance.preemption`: SIGTERM/SIGUSR1 to "finish the step, save, exit 75".
+* :mod:`labkit.fault_tolerance.step_log`: one JSON line per event, safe against SIGKILL.
+* :mod:`labkit.fault_tolerance.injection`: torchrun jobs killed and preempted on purpose.
+* :mod:`labkit.fault_tolerance.bench`: what a checkpoint costs, and what plain saves lose.
+
+``Checkpointer`` and ``CheckpointError`` are importable from here; they load DCP (about a second)
+only when first asked for, so the training loop pays for it only when it checkpoints.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["Checkpointer", "CheckpointError", "LOCAL"]
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: import the checkpointer on first use
+    if name in __all__:
+        from labkit.fault_tolerance import checkpointer
+
+        return getattr(checkpointer, name)
+    raise AttributeError(f"module 'labkit.fault_tolerance' has no attribute {name!r}")

@@ -1,0 +1,126 @@
+"""What a checkpoint costs (save, restore, checksums), and what the popular shortcuts lose, measured.
+
+``measure(model_cfg, directory)`` builds the GPT, takes one optimizer step (so Adam's moments exist,
+as in any resume) and times :class:`labkit.fault_tolerance.Checkpointer` on that state: the time
+the training loop is blocked and the time until the checkpoint is published, for synchronous and
+asynchronous saves; a restore into a fresh model; and each checksum of ``HASHES`` over the files
+written. The fastest of ``repeats`` is reported: what the disk and memory can do, least disturbed
+by other processes.
+
+:func:`torn_single_file` and :func:`flipped_bit` test two shortcuts: one ``torch.save`` file
+rewritten in place (what a kill mid-write leaves), and trusting the checkpoint format to notice a
+flipped bit (``torch.save`` stores a CRC-32 per zip record and ``torch.load`` never checks it; DCP
+stores none).
+"""
+from __future__ import annotations
+
+import io
+import os
+import random
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from labkit.core.checks import positive_int
+
+from labkit.fault_tolerance.files import HASHES, file_digest
+from labkit.fault_tolerance.checkpointer import Checkpointer
+from labkit.core.model import GPTConfig, build_model
+from labkit.fault_tolerance.resume import restore, training_state
+
+
+def measure(model_cfg: GPTConfig, directory: str | os.PathLike, repeats: int = 3, device: str = "cpu") -> dict:
+    """Sync/async save, restore and checksum figures for the training state of ``model_cfg``."""
+    positive_int("repeats", repeats)
+    directory, dev = Path(directory), torch.device(device)
+    model = build_model(model_cfg).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, model_cfg.vocab_size, (2, model_cfg.block_size), device=dev)
+    model(x, x)[1].backward()
+    opt.step()
+    meta = {"strategy": "single", "world_size": 1, "seed": 0, "batch_size": 2, "model": model_cfg.to_dict()}
+    bench = {}
+    for mode in ("sync", "async"):
+        ck = Checkpointer(directory / f"bench_{mode}", keep_last=1, async_save=mode == "async")
+        rows = []
+        for i in range(repeats):
+            stats = ck.save(i + 1, training_state(i + 1, meta, [], model, opt))
+            rows.append(ck.wait() or stats)  # async: training would run here while the thread writes
+        bench[mode] = {k: min(getattr(s, k) for s in rows) for k in ("blocking_s", "total_s", "hash_s")}
+        bench[mode]["bytes"] = rows[-1].bytes
+    fresh = build_model(model_cfg).to(dev)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-4)
+    t0 = time.perf_counter()
+    restore(Checkpointer(directory / "bench_sync"), meta, fresh, fresh_opt)
+    restore_s = time.perf_counter() - t0
+    identical = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    files = [p for p in (directory / "bench_sync" / Checkpointer.name(repeats)).rglob("*") if p.is_file()]
+    gb = sum(p.stat().st_size for p in files) / 1e9
+    hash_gbps = {}
+    for algo in HASHES:
+        t0 = time.perf_counter()
+        for p in files:
+            file_digest(p, algo)
+        hash_gbps[algo] = gb / (time.perf_counter() - t0)
+    return {"bench": bench, "restore_s": restore_s, "restored_identical": identical, "state_gb": gb,
+            "hash_gbps": hash_gbps, "write_gbps": gb / bench["sync"]["total_s"]}
+
+
+def torn_single_file(path: str | os.PathLike, numel: int, trials: int, rng: random.Random) -> int:
+    """How many of ``trials`` random instants leave an unloadable file, while another process rewrites
+    one ``torch.save`` file of ``numel`` floats in a loop (as a naive training loop would). Copying the
+    file at an instant is exactly what a kill at that instant would leave behind."""
+    positive_int("numel", numel)
+    positive_int("trials", trials)
+    path = Path(path)
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import torch\n"
+        f"state = {{'w': torch.randn({numel})}}\n"
+        "while True:\n"
+        f"    torch.save(state, {str(path)!r})\n")])
+    try:
+        while not path.exists() or path.stat().st_size < 4 * numel:
+            time.sleep(0.05)
+        torn = 0
+        for _ in range(trials):
+            time.sleep(rng.uniform(0.0, 0.05))
+            try:
+                torch.load(io.BytesIO(path.read_bytes()), weights_only=True)
+            except Exception:  # truncated or half-written: nothing to resume from
+                torn += 1
+    finally:
+        writer.kill()
+        writer.wait()
+    return torn
+
+
+def _flip_one_bit(directory: Path) -> None:
+    data_file = next(directory.glob("*.distcp"))
+    raw = bytearray(data_file.read_bytes())
+    raw[len(raw) // 2] ^= 0x10  # one bit, in the middle of the tensor bytes
+    data_file.write_bytes(raw)
+
+
+def flipped_bit(directory: str | os.PathLike, numel: int = 1 << 16) -> dict:
+    """One flipped bit in a checkpoint's tensor data: what plain ``dcp.load`` does (loads it), and what
+    :class:`~labkit.fault_tolerance.checkpointer.Checkpointer` does (refuses it, falls back a step)."""
+    directory = Path(directory)
+    sd = {"w": torch.randn(numel)}
+    dcp.save(sd, checkpoint_id=str(directory / "plain_dcp"), no_dist=True)
+    _flip_one_bit(directory / "plain_dcp")
+    back = {"w": torch.zeros(numel)}
+    dcp.load(back, checkpoint_id=str(directory / "plain_dcp"), no_dist=True)  # no error
+    ck = Checkpointer(directory / "checked", keep_last=2)
+    ck.save(1, sd)
+    ck.save(2, sd)
+    _flip_one_bit(directory / "checked" / Checkpointer.name(2))
+    problems = ck.verify(2)
+    with warnings.catch_warnings(record=True):
+        used = ck.load_latest()[0]
+    return {"dcp_values_changed": int((back["w"] != sd["w"]).sum()), "checkpointer_problems": problems,
+            "checkpointer_loaded_step": used}

@@ -1,0 +1,375 @@
+"""Checkpoints that survive a kill at any instant: atomic publication, checksums, retention, async writes.
+
+``Checkpointer(directory, keep_last=k, async_save=False)`` saves ``save(step, state)`` and returns
+``load_latest() -> (step, state) | None``, in one process or on every rank of a process group.
+
+* **Layout.** Tensors anywhere in ``state`` (DTensor shards included) go through
+  ``torch.distributed.checkpoint`` (DCP, PyTorch docs "Distributed Checkpoint"): every rank writes its
+  own shards, replicated tensors once, and a checkpoint saved on N ranks loads on M, or in a process
+  with no process group. Plain Python values, and ``state["local"]`` (this rank's own values, such as
+  RNG states) whole, go to ``rank{r}.pt``. A DeepSpeed engine in ``state`` saves itself with
+  ``engine.save_checkpoint`` into the same directory.
+* **Atomic publication** (the write-then-rename pattern of POSIX ``rename(2)``): every rank writes into
+  ``.tmp-step_XXXXXXXX``; once all are done, rank 0 writes ``manifest.json``, fsyncs the files and the
+  directory and renames it to ``step_XXXXXXXX``; then the ``latest`` pointer is replaced atomically and
+  old checkpoints are retired. A kill at any instant leaves the previous checkpoint or the new one.
+* **Integrity.** The manifest holds a size and an xxHash (XXH3, 64 bit) per file and a checksum of its
+  own; ``load_latest`` verifies every file and skips, with a warning, a checkpoint that fails for the
+  newest one that verifies. DCP, ``torch.save`` and safetensors store no checksums of their own.
+* **Safe loading.** Nothing is unpickled beyond data: ``rank{r}.pt`` loads with
+  ``torch.load(weights_only=True)`` and DCP's pickled ``.metadata`` through an allow-list of DCP's
+  metadata classes (DCP itself calls ``pickle.load`` on it).
+* **Async save.** ``save`` blocks only while DCP's stager copies the tensors to host memory; writing,
+  hashing and publication run in a thread over a separate gloo process group (collectives of the
+  training group must not interleave with the checkpoint's).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import threading
+import time
+import warnings
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from labkit.fault_tolerance.files import (HASHES, SafeReader, deepspeed_safe_globals, describe, file_digest, fill,
+                                     fsync_dir, fsync_tree, read_metadata, scan_weights_only, split, tensor_keys,
+                                     write_durably)
+
+LOCAL = "local"  # state[LOCAL]: this rank's own values, saved per rank and restored only on the same world size
+MANIFEST, LATEST = "manifest.json", "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A save failed (the previous checkpoint is intact), or a checkpoint is unusable."""
+
+
+@dataclass
+class SaveStats:
+    step: int
+    path: str
+    blocking_s: float  # how long save() held the training loop
+    total_s: float | None = None  # snapshot to published (None while an async save is in flight)
+    bytes: int = 0
+    hash_s: float = 0.0  # checksumming this rank's share of the files
+    done: bool = False
+
+
+@dataclass
+class LoadInfo:
+    step: int
+    path: str
+    world_size: int
+    seconds: float
+    skipped: list[tuple[int, str]] = field(default_factory=list)  # (step, why) of newer unusable ones
+
+
+def _is_engine(v: Any) -> bool:  # a DeepSpeed engine, by what the checkpointer calls on it
+    return hasattr(v, "save_checkpoint") and hasattr(v, "load_checkpoint") and hasattr(v, "module")
+
+
+class Checkpointer:
+    """Atomic, verified, retained checkpoints of a nested ``state`` dict; see the module docstring."""
+
+    def __init__(self, directory: str | os.PathLike, keep_last: int = 2, async_save: bool = False,
+                 hash: str = "xxh3_64") -> None:
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(f"keep_last must be an integer >= 1 (the newest checkpoint is always kept), "
+                             f"got {keep_last!r}")
+        if hash not in HASHES:
+            raise ValueError(f"hash={hash!r} is unknown; valid hashes: {list(HASHES)}")
+        self.dir, self.keep_last, self.async_save, self.hash = Path(directory), keep_last, async_save, hash
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            probe = self.dir / f".probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise ValueError(f"directory={str(directory)!r} is not a writable directory ({e}); "
+                             "pass a path where this process may create files") from None
+        self.dist = dist.is_available() and dist.is_initialized()
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.dist else (0, 1)
+        # Checkpoint collectives get their own gloo group: on the training group an async save's
+        # collectives would interleave with the loop's (a hang; NOTES.md), and gloo moves CPU objects.
+        self.pg = dist.new_group(backend="gloo") if self.dist else None
+        if self.rank == 0:  # leftovers of saves or deletions that were killed half-way
+            for p in self.dir.glob(".tmp-*"):
+                shutil.rmtree(p, ignore_errors=True)
+            for p in self.dir.glob(".trash-*"):
+                shutil.rmtree(p, ignore_errors=True)
+        self._barrier()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.pending: SaveStats | None = None
+        self.last_save: SaveStats | None = None
+        self.last_load: LoadInfo | None = None
+        self.last_skipped: list[tuple[int, str]] = []  # (step, why) of checkpoints the last load skipped
+
+    # -- collectives over the checkpoint group (no-ops in one process) --
+    def _barrier(self) -> None:
+        if self.dist:
+            dist.barrier(group=self.pg)
+
+    def _gather(self, obj: Any) -> list:
+        out = [None] * self.world
+        if self.dist:
+            dist.all_gather_object(out, obj, group=self.pg)
+        else:
+            out = [obj]
+        return out
+
+    @staticmethod
+    def name(step: int) -> str:
+        return f"step_{step:08d}"
+
+    def steps(self) -> list[int]:
+        """Published checkpoints, oldest first (whether they verify or not)."""
+        return sorted(int(p.name[5:]) for p in self.dir.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+
+    # -- saving --
+    def save(self, step: int, state: dict) -> SaveStats:
+        """Checkpoint ``state`` as ``step``; a collective on every rank. Returns when it is published
+        (sync) or, with ``async_save``, as soon as the tensors are copied to host memory."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict, got {type(state).__name__}")
+        self.wait()  # one save in flight at a time
+        t0 = time.perf_counter()
+        engine = {k: v for k, v in state.items() if _is_engine(v)}
+        tensors: dict = {}
+        skeleton = split({k: v for k, v in state.items() if k != LOCAL and k not in engine}, (), tensors)
+        buf = io.BytesIO()
+        torch.save({"skeleton": skeleton, "local": state.get(LOCAL), "engines": sorted(engine)}, buf)
+        stats = SaveStats(step, str(self.dir / self.name(step)), 0.0)
+        if self.async_save and not engine:
+            writer = dcp.FileSystemWriter(self.dir / f".tmp-{self.name(step)}", sync_files=True)
+            staged = writer.stage(tensors)  # DCP's stager: fresh host copies, so training may go on
+            stats.blocking_s = time.perf_counter() - t0
+            self.pending = stats
+            self._thread = threading.Thread(target=self._write_async, args=(stats, staged, buf.getvalue(), t0),
+                                            name="labkit-checkpoint", daemon=True)
+            self._thread.start()
+            return stats
+        self._write(stats, tensors, buf.getvalue(), engine)
+        stats.blocking_s = stats.total_s = time.perf_counter() - t0
+        return stats
+
+    def _write_async(self, stats: SaveStats, staged: dict, rank_file: bytes, t0: float) -> None:
+        try:
+            self._write(stats, staged, rank_file, {})
+            stats.total_s = time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001 - re-raised by wait() in the training thread
+            self._error = e
+
+    def wait(self) -> SaveStats | None:
+        """Block until an async save in flight is published; raise its error, if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        done, self.pending = self.pending, None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        return done
+
+    def _write(self, stats: SaveStats, tensors: dict, rank_file: bytes, engines: dict) -> None:
+        name = self.name(stats.step)
+        tmp, final = self.dir / f".tmp-{name}", self.dir / name
+        err = None
+        try:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+        except OSError as e:
+            err = e
+        self._check_all(err, stats.step)
+        try:
+            if tensors or not engines:
+                dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+                         process_group=self.pg, no_dist=not self.dist)
+            for key, eng in engines.items():  # collective inside DeepSpeed (its default group)
+                eng.save_checkpoint(str(tmp / key), tag="ckpt", save_latest=False)
+                fsync_tree(tmp / key)  # DeepSpeed's torch.save calls do not fsync
+            write_durably(tmp / f"rank{self.rank}.pt", rank_file)
+        except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - every rank must learn of it
+            err = e
+        self._check_all(err, stats.step, tmp)
+        # Every rank checksums a share of the files, in parallel; rank 0 publishes.
+        t0 = time.perf_counter()
+        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        mine = {f: [(tmp / f).stat().st_size, file_digest(tmp / f, self.hash)] for f in files[self.rank::self.world]}
+        stats.hash_s = time.perf_counter() - t0
+        shares = self._gather(mine)
+        entries = {k: v for share in shares for k, v in share.items()}
+        stats.bytes = sum(v[0] for v in entries.values())
+        err = None
+        if self.rank == 0:
+            try:
+                self._publish(tmp, final, stats.step, entries)
+            except OSError as e:
+                err = e
+        self._check_all(err, stats.step, tmp)
+        stats.done = True
+        self.last_save = stats
+
+    def _check_all(self, err: BaseException | None, step: int, tmp: Path | None = None) -> None:
+        errors = [e for e in self._gather(None if err is None else f"rank {self.rank}: {describe(err)}")
+                  if e is not None]
+        if not errors:
+            return
+        if self.rank == 0 and tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        good = [s for s in self.steps() if s != step]
+        raise CheckpointError(f"saving step {step} to {self.dir} failed ({'; '.join(errors)}); nothing was published"
+                              + (f" and the previous checkpoint, step {good[-1]}, is intact" if good else ""))
+
+    def _publish(self, tmp: Path, final: Path, step: int, files: dict) -> None:
+        body = json.dumps({"format": 1, "step": step, "world_size": self.world, "hash": self.hash,
+                           "files": dict(sorted(files.items())), "time": time.time()}, sort_keys=True)
+        write_durably(tmp / MANIFEST, f"{zlib.crc32(body.encode()):08x}\n{body}".encode())
+        fsync_dir(tmp)
+        if final.exists():  # the same step saved again after a restart: retire the old copy first
+            os.rename(final, self.dir / f".trash-{final.name}")
+        os.rename(tmp, final)  # the instant the checkpoint becomes visible, complete
+        fsync_dir(self.dir)
+        write_durably(self.dir / f".{LATEST}.tmp", final.name.encode())
+        os.replace(self.dir / f".{LATEST}.tmp", self.dir / LATEST)
+        fsync_dir(self.dir)
+        # Retention only after the new one is durable: keep it and the keep_last - 1 newest others.
+        others = [s for s in self.steps() if s != step]
+        for s in others[: max(0, len(others) - (self.keep_last - 1))]:
+            trash = self.dir / f".trash-{self.name(s)}"
+            os.rename(self.dir / self.name(s), trash)  # never a half-deleted step_* directory
+            shutil.rmtree(trash, ignore_errors=True)
+        for p in self.dir.glob(".trash-*"):
+            shutil.rmtree(p, ignore_errors=True)
+
+    # -- loading --
+    def manifest(self, step: int) -> dict:
+        """The verified manifest of a published checkpoint; CheckpointError when it is damaged."""
+        raw = (self.dir / self.name(step) / MANIFEST).read_bytes()
+        head, _, body = raw.partition(b"\n")
+        if head != f"{zlib.crc32(body):08x}".encode():
+            raise CheckpointError(f"{MANIFEST} of step {step} fails its own checksum")
+        return json.loads(body)
+
+    def verify(self, step: int) -> list[str]:
+        """Problems found in checkpoint ``step`` (empty when every file matches its manifest)."""
+        path = self.dir / self.name(step)
+        try:
+            m = self.manifest(step)
+        except (OSError, ValueError, CheckpointError) as e:
+            return [f"{MANIFEST}: {e}"]
+        on_disk = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MANIFEST)
+        problems = [f"{f}: missing" for f in m["files"] if f not in on_disk]
+        problems += [f"{f}: not in the manifest" for f in on_disk if f not in m["files"]]
+        for f in sorted(set(on_disk) & set(m["files"]))[self.rank::self.world]:
+            size, digest = m["files"][f]
+            if (path / f).stat().st_size != size:
+                problems.append(f"{f}: {(path / f).stat().st_size} bytes, the manifest says {size}")
+            elif file_digest(path / f, m["hash"]) != digest:
+                problems.append(f"{f}: {m['hash']} checksum mismatch")
+        return sorted({p for share in self._gather(problems) for p in share})
+
+    def load_latest(self, template: dict | None = None,
+                    check: Callable[[dict], None] | None = None) -> tuple[int, dict] | None:
+        """The newest checkpoint that verifies and loads safely, as ``(step, state)``; None if there is none.
+
+        With ``template`` (a state like the one saved, e.g. from a freshly built model), tensors load in
+        place into the template's tensors, resharded by DCP to this world size; a DeepSpeed engine in
+        the template loads itself. Without it, every tensor loads whole on the CPU. ``check`` sees the
+        plain values (tensors not yet read) and may raise to refuse a checkpoint of another run: a
+        damaged checkpoint is skipped, a mismatched one is an error, not a reason to start over.
+        """
+        self.wait()
+        t0 = time.perf_counter()
+        skipped = self.last_skipped = []
+        for step in reversed(self.steps()):
+            problems = self.verify(step)
+            if not problems:
+                try:
+                    saved = self._open(step)
+                except CheckpointError as e:
+                    problems = [f"refused to load: {e}"]
+            if problems:
+                skipped.append((step, "; ".join(problems)))
+                warnings.warn(f"checkpoint {self.dir / self.name(step)} is unusable ({'; '.join(problems)}); "
+                              "trying an older one", stacklevel=2)
+                continue
+            if check is not None:
+                check(saved["skeleton"])
+            state = self._read(step, saved, template)
+            self.last_load = LoadInfo(step, str(self.dir / self.name(step)), self.manifest(step)["world_size"],
+                                      time.perf_counter() - t0, skipped)
+            return step, state
+        self.last_load = None
+        return None
+
+    def _open(self, step: int) -> dict:
+        """This rank's plain values, after every file that will be unpickled passed the safe unpicklers."""
+        path = self.dir / self.name(step)
+        own = path / f"rank{self.rank}.pt"
+        err, saved = None, None
+        try:  # weights_only: plain containers, numbers, strings and tensors; never arbitrary objects
+            saved = torch.load(own if own.exists() else path / "rank0.pt", weights_only=True)
+            if (path / ".metadata").exists():
+                read_metadata(path)
+            if saved["engines"]:  # this rank's share of DeepSpeed's files
+                scan = sorted(p for key in saved["engines"] for p in (path / key).rglob("*.pt"))
+                scan_weights_only(scan[self.rank::self.world], deepspeed_safe_globals())
+        except Exception as e:  # noqa: BLE001 - every rank must agree to skip
+            err = f"rank {self.rank}: {describe(e)}"
+        errors = [e for e in self._gather(err) if e]
+        if errors:
+            raise CheckpointError("; ".join(errors))
+        return saved
+
+    def _read(self, step: int, saved: dict, template: dict | None) -> dict:
+        path, world = self.dir / self.name(step), self.manifest(step)["world_size"]
+        own = path / f"rank{self.rank}.pt"
+        wanted = tensor_keys(saved["skeleton"])
+        if template is not None:
+            flat: dict = {}
+            split({k: v for k, v in template.items() if k != LOCAL and not _is_engine(v)}, (), flat)
+            flat = {k: v for k, v in flat.items() if k in wanted}
+            missing = sorted(wanted - set(flat))
+            if missing:  # a template of another model or optimizer: refuse rather than fill in None
+                raise CheckpointError(f"step {step} holds {len(missing)} tensor(s) the template lacks, e.g. "
+                                      f"{missing[:3]}; pass a template built like the saved state, or no template")
+            if flat:
+                dcp.load(flat, storage_reader=SafeReader(path), process_group=self.pg, no_dist=not self.dist)
+            for key in saved["engines"]:
+                if key not in template:
+                    raise CheckpointError(f"step {step} holds a DeepSpeed engine under {key!r}; pass it in the template")
+                template[key].load_checkpoint(str(path / key), tag="ckpt", load_module_strict=True)
+        else:
+            md = read_metadata(path) if wanted else None
+            flat = {k: torch.empty(md.state_dict_metadata[k].size, dtype=md.state_dict_metadata[k].properties.dtype)
+                    for k in wanted}
+            if flat:
+                dcp.load(flat, storage_reader=SafeReader(path), no_dist=True)
+        state = fill(saved["skeleton"], flat)
+        state[LOCAL] = saved["local"] if world == self.world and own.exists() else None
+        for key in saved["engines"]:
+            state[key] = template[key] if template is not None else None
+        return state
+
+    def close(self) -> None:
+        """Finish an async save in flight and release the checkpoint process group."""
+        try:
+            self.wait()
+        finally:
+            if self.pg is not None:
+                dist.destroy_process_group(self.pg)
+                self.pg = None
+

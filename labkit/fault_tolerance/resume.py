@@ -1,0 +1,106 @@
+"""Everything a bit-exact resume needs, captured from and restored into the training loop.
+
+A run resumed from step ``s`` must continue exactly as if it had never stopped, so the checkpoint
+holds: model and optimizer state (through ``torch.distributed.checkpoint.state_dict.get_state_dict``
+and ``set_state_dict``, which give the same fully qualified names under DDP, FSDP2 or no wrapper, so a
+checkpoint moves between strategies and world sizes), the LR scheduler, the step (the data position:
+``labkit.data.get_batch`` is a pure function of seed and step), the loss history, the RNG states of
+Python, NumPy and torch (CPU and CUDA) per rank, and the settings that define the data order. A
+DeepSpeed engine saves and loads itself (``engine.save_checkpoint``), scheduler included.
+
+torchtitan stores the world size for the same reason this module refuses a silent mismatch: a
+resume that changes seed, global batch or model is a different run.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from labkit.fault_tolerance.checkpointer import LOCAL, Checkpointer
+from labkit.fault_tolerance.rng import rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+    from deepspeed import DeepSpeedEngine
+    from torch.optim.lr_scheduler import LRScheduler
+
+MUST_MATCH = ("seed", "batch_size", "model")  # they define the data order and the parameters
+
+
+def _unwrap(model):
+    return getattr(model, "module", model)  # DDP and the hand-written data parallels keep it in .module
+
+
+def training_state(step: int, meta: dict, losses: list[float],
+                   model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                   scheduler: LRScheduler | None = None, engine: DeepSpeedEngine | None = None,
+                   scaler: torch.amp.GradScaler | None = None) -> dict:
+    """The state a resume needs, ready for :meth:`labkit.fault_tolerance.Checkpointer.save`."""
+    state = {"step": step, "meta": meta, "losses": list(losses), LOCAL: {"rng": rng_state()}}
+    if engine is not None:  # DeepSpeed: model, optimizer partitions and its scheduler in its own format
+        state["engine"] = engine
+        return state
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    state["model"], state["optim"] = get_state_dict(_unwrap(model), optimizer)
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    if scaler is not None:  # fp16 loss scale and its growth counter
+        state["scaler"] = scaler.state_dict()
+    return state
+
+
+def check_compatible(saved: dict, meta: dict) -> list[str]:
+    """ValueError when ``saved`` belongs to a different run; notes when strategy or world size changed.
+
+    ``meta["reshardable"]`` is False for a format that only loads on the strategy and world size that
+    wrote it (DeepSpeed's own checkpoints)."""
+    for key in MUST_MATCH:
+        if saved.get(key) != meta.get(key):
+            raise ValueError(f"the checkpoint was saved with {key}={saved.get(key)!r} but this run has "
+                             f"{key}={meta.get(key)!r}: resuming would be a different run; set {key} back "
+                             "or start in a new checkpoint_dir")
+    notes = []
+    if saved["strategy"] != meta["strategy"] or saved["world_size"] != meta["world_size"]:
+        if not (saved.get("reshardable", True) and meta.get("reshardable", True)):
+            raise ValueError(f"a DeepSpeed checkpoint resumes only with the strategy and world size it was saved "
+                             f"with ({saved['strategy']} on {saved['world_size']} ranks), not "
+                             f"{meta['strategy']} on {meta['world_size']}; valid: strategy={saved['strategy']!r} "
+                             f"with {saved['world_size']} ranks")
+        notes.append(f"resharded from {saved['strategy']} x{saved['world_size']} to {meta['strategy']} "
+                     f"x{meta['world_size']}: per-rank RNG streams restart (they belong to the old ranks)")
+    return notes
+
+
+def restore(ckpt: Checkpointer, meta: dict,
+            model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+            scheduler: LRScheduler | None = None, engine: DeepSpeedEngine | None = None,
+            scaler: torch.amp.GradScaler | None = None) -> tuple[int, list[float], list[str]]:
+    """Load the newest good checkpoint into the live objects: ``(start_step, losses, notes)``.
+
+    ``(0, [], [])`` when there is none. Raises ValueError for a checkpoint of a different run.
+    """
+    if not ckpt.steps():
+        return 0, [], []
+    # get_state_dict gives a fresh optimizer its state (a zero-gradient step at lr 0) to load into
+    template = training_state(0, meta, [], model, optimizer, scheduler, engine, scaler)
+    notes: list[str] = []
+    got = ckpt.load_latest(template, check=lambda saved: notes.extend(check_compatible(saved["meta"], meta)))
+    if got is None:  # none verified: start over, as a run without checkpoints would
+        if optimizer is not None and engine is None:
+            optimizer.state.clear()
+        return 0, [], [f"skipped step {s}: {why}" for s, why in ckpt.last_skipped]
+    step, state = got
+    if engine is None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(_unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if scheduler is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        if scaler is not None:
+            scaler.load_state_dict(state["scaler"])
+    if state[LOCAL] is not None:
+        set_rng_state(state[LOCAL]["rng"])
+    notes += [f"skipped step {s}: {why}" for s, why in ckpt.last_load.skipped]
+    return step, list(state["losses"]), notes

@@ -1,0 +1,54 @@
+"""``python -m labkit``: run labs with papermill, list them, print their profiles or their training flags."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from labkit.core.checks import positive_int
+from labkit.core.cli import ArgumentParser
+from labkit.labs.profiles import PROFILES, train_flags
+from labkit.labs.runner import OUT_DIR, check_lab, list_labs, run_lab
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = ArgumentParser(prog="python -m labkit", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="execute labs with papermill")
+    r.add_argument("labs", nargs="*", help="lab names (default: all)")
+    r.add_argument("--profile", default="ci", help="cpu, ci or gpu")
+    r.add_argument("--out", type=Path, default=OUT_DIR)
+    r.add_argument("--force", action="store_true", help="re-run even when nothing changed")
+    sub.add_parser("list", help="list the labs")
+    sub.add_parser("profiles", help="print every lab's profiles")
+    f = sub.add_parser("flags", help="print the labkit.train flags of a lab's profile (for batch scripts)")
+    f.add_argument("lab")
+    f.add_argument("profile")
+    f.add_argument("--world-size", type=int, required=True, help="ranks in all (for per-rank batch sizes)")
+    args = ap.parse_args(argv)
+    if args.cmd == "flags":
+        try:
+            positive_int("--world-size", args.world_size)
+            print(" ".join(train_flags(args.lab, args.profile, args.world_size)))
+        except ValueError as e:
+            ap.error(str(e))
+        return 0
+    if args.cmd == "list":
+        print(" ".join(list_labs()))
+        return 0
+    if args.cmd == "profiles":
+        print(json.dumps(PROFILES, indent=1))
+        return 0
+    names = args.labs or list_labs()
+    try:
+        for name in names:  # a bad lab or profile is an argument error, before any lab runs
+            check_lab(name, args.profile)
+    except ValueError as e:
+        ap.error(str(e))
+    try:
+        for name in names:
+            run_lab(name, args.profile, args.out, args.force)
+    except RuntimeError as e:  # a lab failed: not the caller's argument
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,18 @@
+"""Where the memory goes: the calculator, and measurements that hold it to account.
+
+* :mod:`labkit.memory.calculator`: model states under ZeRO 0-3 and activations per layer
+  (Rajbhandari et al. 2020; Korthikanti et al. 2022), per device, for any model shape.
+* :mod:`labkit.memory.probe`: what a live model, optimizer and forward pass really hold.
+* :mod:`labkit.memory.deepspeed_states`: DeepSpeed's ZeRO model states, to the byte.
+* :mod:`labkit.memory.recompute`: what activation checkpointing saves and costs, measured.
+
+``python -m labkit.memory`` prints the per-device bytes of a configuration in a terminal
+(:mod:`labkit.planning.cli`). The calculator's names are importable from here.
+"""
+from labkit.memory.calculator import (BYTES_PER_PARAM, GB, MODELS, RECOMPUTE, STAGES, MemoryEstimate, ModelShape,
+                                      ModelStates, activation_bytes_per_layer, autocast_extra_bytes_per_layer,
+                                      estimate_memory, model_shape, model_state_breakdown, zero_model_state_bytes)
+
+__all__ = ["BYTES_PER_PARAM", "GB", "MODELS", "RECOMPUTE", "STAGES", "MemoryEstimate", "ModelShape", "ModelStates",
+           "activation_bytes_per_layer", "autocast_extra_bytes_per_layer", "estimate_memory", "model_shape",
+           "model_state_breakdown", "zero_model_state_bytes"]

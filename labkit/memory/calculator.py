@@ -1,0 +1,275 @@
+"""Where the memory goes: a calculator for model states and activations, per device.
+
+* Model states follow ZeRO (Rajbhandari et al. 2020, section 3 and Figure 1): mixed-precision
+  Adam keeps 2 bytes/parameter of 16-bit weights, 2 of 16-bit gradients and K = 12 of optimizer
+  state (fp32 master weights, momentum, variance). Stage 1 shards the optimizer states over N ranks,
+  stage 2 the gradients too, stage 3 the parameters too.
+* Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+  Transformer Models", section 4: sbh(34 + 5as/h) bytes per layer with 16-bit activations, with
+  tensor parallelism sbh(10 + 24/t + 5as/(ht)), with sequence parallelism (sbh/t)(34 + 5as/h).
+  The general form below also covers other activation widths, no dropout, and flash attention
+  (Dao et al. 2022), which never stores the s x s scores, so the lab's measurement can be held
+  against it term by term.
+
+Measurement lives in :mod:`labkit.memory.probe`; ``python -m labkit.memory`` prints a breakdown.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+
+from labkit.core.checks import one_of, positive_int
+
+GB = 10**9  # the ZeRO paper's GB; GiB is 2**30
+RECOMPUTE = ("none", "selective", "full")
+STAGES = (0, 1, 2, 3)
+# Bytes per parameter of Adam training, (weights, gradients, optimizer states), by precision recipe.
+BYTES_PER_PARAM = {
+    "mixed": (2, 2, 12),  # 16-bit weights and grads; fp32 master + m + v (ZeRO's K = 12)
+    "fp32": (4, 4, 8),  # the weights are their own master copy; m and v in fp32
+    "bf16": (2, 2, 4),  # pure bf16 training: no master copy, m and v in bf16
+    "fp32_master": (4, 4, 12),  # fp32 weights plus a separate fp32 master copy (DeepSpeed's ZeRO)
+}
+
+
+def _count(name: str, value) -> int:  # counts here may come as floats: 1e9 parameters
+    return positive_int(name, value, accept_float=True)
+
+
+def _stage(stage) -> int:
+    return one_of("stage", stage, STAGES, "ZeRO stages")
+
+
+def zero_model_state_bytes(n_params: int, world_size: int, stage: int, k: float = 12) -> int:
+    """Per-device bytes of mixed-precision Adam model states under ZeRO stage 0-3.
+
+    (2+2+K)Psi, 4Psi + K Psi/N, 2Psi + (2+K)Psi/N, (2+2+K)Psi/N, rounded up to whole bytes.
+    """
+    psi, n = _count("n_params", n_params), _count("world_size", world_size)
+    if not (isinstance(k, (int, float)) and k > 0):
+        raise ValueError(f"k (optimizer bytes per parameter) must be positive, got {k!r}")
+    k = Fraction(k)
+    total = {0: (4 + k) * psi, 1: 4 * psi + k * psi / n, 2: 2 * psi + (2 + k) * psi / n,
+             3: (4 + k) * psi / n}[_stage(stage)]
+    return math.ceil(total)
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    params: int
+    grads: int
+    optimizer: int
+    grad_accum: int = 0  # an fp32 gradient-accumulation buffer, when kept
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.grad_accum
+
+
+def model_state_breakdown(n_params: int, world_size: int = 1, stage: int = 0,
+                          precision: str = "mixed", fp32_grad_accum: bool = False) -> ModelStates:
+    """Per-device parameter, gradient and optimizer-state bytes (Adam) for a precision and stage."""
+    psi, n = _count("n_params", n_params), _count("world_size", world_size)
+    one_of("precision", precision, BYTES_PER_PARAM, "precisions")
+    stage = _stage(stage)
+    w, g, o = BYTES_PER_PARAM[precision]
+
+    def shard(bytes_per_param: int, sharded: bool) -> int:
+        return math.ceil(Fraction(bytes_per_param * psi, n if sharded else 1))
+
+    return ModelStates(params=shard(w, stage >= 3), grads=shard(g, stage >= 2),
+                       optimizer=shard(o, stage >= 1),
+                       grad_accum=shard(4, stage >= 2) if fp32_grad_accum else 0)
+
+
+def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
+                               sequence_parallel: bool = False, recompute: str = "none",
+                               dtype_bytes: int = 2, dropout: bool = True,
+                               flash_attention: bool = False) -> int:
+    """Bytes one transformer layer keeps for backward (Korthikanti et al. 2022, Table 2).
+
+    With the defaults (16-bit activations, dropout, attention scores stored) this is exactly the
+    paper's sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)) under tensor parallelism and
+    (sbh/t)(34 + 5as/h) with sequence parallelism. Terms, in elements of ``dtype_bytes``:
+    per layer 4sbh are never split by tensor parallelism (two LayerNorm inputs, the attention and
+    MLP inputs), 12sbh are split (Q, K, V, the projection input, two 4h MLP activations); each
+    dropout keeps a 1-byte mask (two of sbh, one of as^2b); the scores keep the softmax output
+    (and the dropout output). Flash attention keeps an fp32 log-sum-exp of asb instead of scores.
+    ``recompute="selective"`` drops the score term, ``"full"`` keeps only the layer input.
+    """
+    s, b = _count("seq_len", seq_len), _count("micro_batch", micro_batch)
+    h, a, t = _count("hidden", hidden), _count("heads", heads), _count("tp", tp)
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r} is unknown; valid modes: {list(RECOMPUTE)}")
+    if dtype_bytes not in (1, 2, 4):
+        raise ValueError(f"dtype_bytes must be 1, 2 or 4, got {dtype_bytes!r}")
+    sp = t if sequence_parallel else 1
+    sbh, d, m = s * b * h, dtype_bytes, 1 if dropout else 0
+    if recompute == "full":
+        return math.ceil(Fraction(d * sbh, sp))
+    unsplit = Fraction((4 * d + 2 * m) * sbh, sp)
+    split = Fraction(12 * d * sbh, t)
+    if recompute == "selective":
+        scores = 0
+    elif flash_attention:
+        scores = Fraction(4 * a * s * b, t)
+    else:
+        scores = Fraction((2 * d + m if dropout else d) * a * s * s * b, t)
+    return math.ceil(unsplit + split + scores)
+
+
+def autocast_extra_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int) -> int:
+    """What ``torch.autocast`` keeps on top of pure 16-bit activations, per layer.
+
+    Autocast runs LayerNorm in fp32, so the two LayerNorm inputs (the fp32 residual stream) are
+    saved at 4 bytes instead of 2 (+4sbh), and it caches the bf16 copy of each weight, which the
+    matmuls save for backward (+2 bytes x 12h^2 weights); each LayerNorm also keeps fp32 mean and
+    rstd (+16sb). Measured exactly on the lab's GPT (see the tests).
+    """
+    s, b, h = (_count(n, v) for n, v in (("seq_len", seq_len), ("micro_batch", micro_batch), ("hidden", hidden)))
+    return 4 * s * b * h + 24 * h * h + 16 * s * b
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the calculator needs to know about a GPT-style model."""
+
+    n_params: int
+    n_layer: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq_len: int
+    note: str = ""
+
+    @classmethod
+    def from_n_params(cls, n_params: float, seq_len: int = 2048, vocab: int = 50257) -> "ModelShape":
+        """A GPT-3-proportioned shape for a bare parameter count: hidden = 128 x layers and
+        128-wide heads, as GPT-3's 6.7B, 13B and 175B models are (Brown et al. 2020, Table 2.1)."""
+        n = _count("n_params", n_params)
+        layers = max(1, round((n / (12 * 128**2)) ** (1 / 3)))
+        return cls(n, layers, 128 * layers, layers, vocab, seq_len, "derived from the parameter count")
+
+    @classmethod
+    def from_gpt_config(cls, cfg) -> "ModelShape":
+        from labkit.core.model import GPT
+
+        n = GPT.count_params(cfg)
+        return cls(n, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.block_size)
+
+
+# Published shapes. GPT-2/GPT-3 use the 4h MLP the activation formula assumes; LLaMA's SwiGLU MLP
+# (Touvron et al. 2023) keeps a little more, so its activations here are an approximation.
+MODELS = {
+    "gpt2-124m": ModelShape(124_439_808, 12, 768, 12, 50257, 1024, "Radford et al. 2019"),
+    "gpt3-1.3b": ModelShape(1_300_000_000, 24, 2048, 16, 50257, 2048, "Brown et al. 2020, Table 2.1"),
+    "llama2-7b": ModelShape(6_738_415_616, 32, 4096, 32, 32000, 4096, "Touvron et al. 2023"),
+    "10b": ModelShape(10_000_000_000, 40, 4608, 36, 50257, 2048, "a round 10B GPT-style model"),
+    "llama2-13b": ModelShape(13_015_864_320, 40, 5120, 40, 32000, 4096, "Touvron et al. 2023"),
+    "llama2-70b": ModelShape(68_976_648_192, 80, 8192, 64, 32000, 4096, "Touvron et al. 2023"),
+    "gpt3-175b": ModelShape(175_000_000_000, 96, 12288, 96, 50257, 2048, "Brown et al. 2020"),
+}
+
+
+def model_shape(model) -> ModelShape:
+    """A ``ModelShape`` from a name in ``MODELS``, a ``GPTConfig``, a parameter count or a shape."""
+    if isinstance(model, ModelShape):
+        return model
+    if hasattr(model, "n_embd") and hasattr(model, "n_layer"):
+        return ModelShape.from_gpt_config(model)
+    if isinstance(model, (int, float)) and not isinstance(model, bool):
+        return ModelShape.from_n_params(model)
+    if model not in MODELS:
+        raise ValueError(f"model={model!r} is unknown; valid models: {sorted(MODELS)}, "
+                         "a GPTConfig, a ModelShape or a parameter count")
+    return MODELS[model]
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-device bytes of one training configuration, and whether it fits."""
+
+    model: str
+    world_size: int
+    stage: int
+    precision: str
+    recompute: str
+    tp: int
+    offload_optimizer: bool
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    head: int  # final LayerNorm input and output, and the log-softmax of the logits
+    device_bytes: int
+    host_bytes: int = 0  # optimizer states moved to CPU memory by offload
+    parts: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.head
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.device_bytes
+
+    @property
+    def margin(self) -> int:
+        """Bytes to spare (positive) or missing (negative) on each device."""
+        return self.device_bytes - self.total
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "total": self.total, "fits": self.fits, "margin": self.margin}
+
+
+def estimate_memory(model, micro_batch: int = 1, world_size: int = 1, stage: int = 0,
+                    precision: str = "mixed", recompute: str = "none", tp: int = 1,
+                    sequence_parallel: bool = False, device_memory_gb: float = 80.0,
+                    offload_optimizer: bool = False, flash_attention: bool = True,
+                    dropout: bool = True, seq_len: int | None = None, pp: int = 1) -> MemoryEstimate:
+    """Whole-model, per-device estimate: model states, activations of every layer, and the head.
+
+    Tensor parallelism divides the layer weights by ``tp`` and pipeline parallelism by ``pp``
+    stages; ZeRO shards over the ``world_size / (tp * pp)`` data-parallel ranks. Under a 1F1B
+    schedule the first stage holds ``pp`` micro-batches in flight for its ``L/pp`` layers, as many
+    layer-activations as without pipelining (Narayanan et al. 2021; Korthikanti et al. 2022,
+    section 4.2.3); the last stage holds the head. The head keeps the final LayerNorm's input and output
+    and the fp32 log-softmax that cross-entropy saves (4 bytes of s*b*V/tp; a loop that also holds
+    on to the logits keeps as much again). Activations are 4 bytes wide in fp32 training, 2 otherwise.
+    """
+    shape = model_shape(model)
+    world_size, tp, pp = _count("world_size", world_size), _count("tp", tp), _count("pp", pp)
+    if world_size % (tp * pp):
+        raise ValueError(f"tp={tp} x pp={pp} must divide world_size={world_size}")
+    if pp > shape.n_layer:
+        raise ValueError(f"pp={pp} stages need at least {pp} layers; the model has {shape.n_layer}")
+    if device_memory_gb <= 0:
+        raise ValueError(f"device_memory_gb must be positive, got {device_memory_gb!r}")
+    s = _count("seq_len", seq_len or shape.seq_len)
+    dp = world_size // (tp * pp)
+    states = model_state_breakdown(math.ceil(shape.n_params / (tp * pp)), dp, stage, precision)
+    act_dtype = 4 if precision == "fp32" else 2
+    per_layer = activation_bytes_per_layer(s, micro_batch, shape.hidden, shape.heads, tp,
+                                           sequence_parallel, recompute, act_dtype,
+                                           dropout=dropout, flash_attention=flash_attention)
+    layers = per_layer * shape.n_layer
+    if recompute == "full":  # backward re-materialises one layer at a time on top of the inputs kept
+        layers += activation_bytes_per_layer(s, micro_batch, shape.hidden, shape.heads, tp, sequence_parallel,
+                                             "none", act_dtype, dropout=dropout,
+                                             flash_attention=flash_attention)
+    micro_batch = _count("micro_batch", micro_batch)
+    head = 2 * act_dtype * s * micro_batch * shape.hidden + math.ceil(4 * s * micro_batch * shape.vocab / tp)
+    if pp > 1:  # the per-device peak: the first stage's in-flight layers, or the last stage's head
+        last = math.ceil(layers / pp) + head
+        layers, head = (layers, 0) if layers >= last else (last - head, head)
+    name = model if isinstance(model, str) else "custom"
+    optimizer, host = states.optimizer, 0
+    if offload_optimizer:  # ZeRO-Offload (Ren et al. 2021): Adam states and step on the CPU
+        optimizer, host = 0, states.optimizer
+    return MemoryEstimate(name, world_size, stage, precision, recompute, tp, offload_optimizer,
+                          states.params, states.grads, optimizer, layers, head,
+                          int(device_memory_gb * GB), host,
+                          parts={"activation_bytes_per_layer": per_layer, "seq_len": s,
+                                 "micro_batch": micro_batch, "n_params": shape.n_params})
+

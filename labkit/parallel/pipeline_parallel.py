@@ -1,0 +1,250 @@
+"""Pipeline parallelism: the GPT's layers split into stages, one per rank, fed by microbatches.
+
+GPipe (Huang et al. 2019) runs every microbatch's forward through the stages, then every backward:
+with ``p`` stages and ``m`` microbatches a stage idles ``(p - 1) / (m + p - 1)`` of the step (the
+*bubble*), and holds all ``m`` microbatches' activations before its first backward. 1F1B
+(PipeDream-Flush, Narayanan et al. 2021, section 2.2.1) has the same bubble but alternates one
+forward with one backward once the pipeline is full, so stage ``s`` holds at most ``p - s``.
+Interleaving ``v`` chunks of layers per rank divides the bubble by ``v`` (same paper, section 2.2.2).
+
+* The production path: ``torch.distributed.pipelining`` (PyTorch docs, "Pipeline Parallelism"):
+  a :class:`TimedStage` (a ``PipelineStage`` that records when it computes) per stage and
+  ``ScheduleGPipe``, ``Schedule1F1B`` or ``ScheduleInterleaved1F1B``.
+* For teaching, :func:`scratch_step`: the same two schedules with ``send``/``recv`` of
+  activations forward and of their gradients backward, held against the production path.
+
+The first and last stages both hold the tied embedding / head matrix; like Megatron-LM's
+"embedding group" the two copies' gradients are summed after every backward so they stay equal.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from labkit.core.checks import one_of, positive_int
+from labkit.core.model import GPT, GPTConfig
+from labkit.parallel.pipeline_timeline import Timeline
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+IMPLS = ("torch", "scratch")
+VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2}  # layer chunks per rank
+
+
+def check_pp(pp: int, n_layer: int, microbatches: int, schedule: str, batch_size: int | None = None,
+             impl: str = "torch") -> None:
+    """Clear errors for a pipeline that cannot be built; call before any communication."""
+    one_of("pp_schedule", schedule, PP_SCHEDULES, "pipeline schedules")
+    one_of("impl", impl, IMPLS, "implementations")
+    if impl == "scratch" and schedule == "interleaved":
+        raise ValueError("pp_schedule='interleaved' needs torch pipelining (strategy 'pp'); the hand-written "
+                         "pipeline (strategy 'pp_scratch') has 'gpipe' and '1f1b'")
+    positive_int("pp", pp)
+    positive_int("microbatches", microbatches)
+    stages = pp * VIRTUAL[schedule]
+    if stages > n_layer:
+        raise ValueError(f"pp={pp} with pp_schedule={schedule!r} needs {stages} stages but the model has "
+                         f"n_layer={n_layer} layers; use pp <= {n_layer // VIRTUAL[schedule]} or more layers")
+    if schedule != "gpipe" and microbatches < pp:
+        raise ValueError(f"pp_schedule={schedule!r} needs microbatches >= pp: microbatches={microbatches} < "
+                         f"pp={pp} leaves a stage with nothing to alternate; use microbatches >= {pp} or 'gpipe'")
+    rounds = max(1, microbatches // pp)
+    if schedule == "interleaved" and microbatches % rounds:
+        # torch's ScheduleInterleaved1F1B runs the microbatches in rounds of about pp each
+        valid = [m for m in range(pp, 4 * pp + 1) if m % max(1, m // pp) == 0]
+        raise ValueError(f"pp_schedule='interleaved' needs microbatches divisible by its {rounds} rounds "
+                         f"(microbatches // pp); microbatches={microbatches} with pp={pp} is not; valid "
+                         f"microbatches up to {4 * pp}: {valid}")
+    if batch_size is not None and batch_size % microbatches:
+        valid = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+        raise ValueError(f"microbatches={microbatches} must divide batch_size={batch_size}; valid: {valid}")
+
+
+def stage_bounds(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` layers of each stage: as equal as possible, earlier stages taking the remainder."""
+    sizes = [n_layer // n_stages + (i < n_layer % n_stages) for i in range(n_stages)]
+    starts = [sum(sizes[:i]) for i in range(n_stages)]
+    return [(a, a + n) for a, n in zip(starts, sizes)]
+
+
+class GPTStage(nn.Module):
+    """Layers ``[lo, hi)`` of a GPT; the embeddings on the first stage, final norm and head on the last.
+
+    Computes exactly what :meth:`labkit.model.GPT.forward` computes for those layers; submodule
+    names are the GPT's (``blocks.3.attn.qkv.weight``), so state dicts merge back into the model's.
+    """
+
+    def __init__(self, model: GPT, index: int, n_stages: int) -> None:
+        super().__init__()
+        lo, hi = stage_bounds(model.config.n_layer, n_stages)[index]
+        self.index, self.first, self.last = index, index == 0, index == n_stages - 1
+        if self.first:
+            self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(lo, hi)})
+        if self.last:  # on its own the head keeps a copy of the tied matrix (synced: see tied_grad_sync)
+            self.ln_f, self.head = model.ln_f, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.drop(self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device)))
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.last else x
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The GPT's loss: mean cross-entropy over a microbatch's tokens."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def schedule_order(schedule: str, p: int, s: int, m: int) -> list[tuple[str, int]]:
+    """The (kind, microbatch) actions stage ``s`` of ``p`` runs: GPipe all F then all B; 1F1B
+    ``p - s - 1`` warm-up forwards, then one forward and one backward alternately, then the rest."""
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    if schedule != "1f1b":
+        raise ValueError(f"pp_schedule={schedule!r} has no hand-written order; valid: ['gpipe', '1f1b']")
+    warm = min(p - s - 1, m)
+    order = [("F", i) for i in range(warm)]
+    for j in range(m - warm):
+        order += [("F", warm + j), ("B", j)]
+    return order + [("B", j) for j in range(m - warm, m)]
+
+
+def scratch_step(stage: GPTStage, schedule: str, p: int, xs: list, ys: list, timeline: Timeline,
+                 act_shape: tuple, act_dtype: torch.dtype, group=None, loss_scale: float = 1.0) -> list[torch.Tensor]:
+    """One step of the pipeline on this stage's rank, written with point-to-point messages.
+
+    Activations go to the next stage with ``isend`` (sends complete in the background, so a stage
+    runs ahead as far as the schedule lets it); their gradients come back the same way. The loss of
+    each microbatch is divided by ``m``: the step's gradient is that of the global-batch mean
+    (times ``loss_scale`` under fp16 loss scaling). Returns the last stage's microbatch losses.
+    """
+    s, m = stage.index, len(xs)
+    peer = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    inputs, outputs, losses, pending = {}, {}, [], []
+    for kind, i in schedule_order(schedule, p, s, m):
+        if kind == "F":
+            x = xs[i]
+            if not stage.first:
+                x = torch.empty(act_shape, dtype=act_dtype, device=xs[i].device)
+                dist.recv(x, peer(s - 1), group=group)
+                x.requires_grad_()
+            with timeline.record("F", i):
+                out = stage(x)
+                if stage.last:
+                    out = lm_loss(out, ys[i])
+            if stage.last:
+                losses.append(out.detach())
+            else:
+                send = out.detach()
+                pending.append((dist.isend(send, peer(s + 1), group=group), send))
+            inputs[i], outputs[i] = x, out
+        else:
+            grad = None
+            if not stage.last:
+                grad = torch.empty(act_shape, dtype=act_dtype, device=xs[i].device)
+                dist.recv(grad, peer(s + 1), group=group)
+            with timeline.record("B", i):
+                out = outputs.pop(i)
+                if stage.last:
+                    (out / m if loss_scale == 1.0 else out * (loss_scale / m)).backward()
+                else:
+                    out.backward(grad)
+            x = inputs.pop(i)
+            if not stage.first:
+                pending.append((dist.isend(x.grad, peer(s - 1), group=group), x.grad))
+    for work, _ in pending:
+        work.wait()
+    return losses
+
+
+def _timed_stage_class():
+    from torch.distributed.pipelining import PipelineStage
+
+    class TimedStage(PipelineStage):
+        """A ``PipelineStage`` that records each microbatch's forward and backward on a :class:`Timeline`
+        (the schedules call exactly these two methods; communication waits happen outside them)."""
+
+        def __init__(self, *args, timeline: Timeline, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.timeline = timeline
+
+        def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+            with self.timeline.record("F", fwd_chunk_id):
+                return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+        def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+            with self.timeline.record("B", bwd_chunk_id):
+                return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    return TimedStage
+
+
+def stage_params(cfg: GPTConfig, n_stages: int, index: int) -> int:
+    """Parameters stage ``index`` holds: its blocks, plus the embeddings (first) or the final norm
+    and a copy of the tied head (last, when it is not also the first)."""
+    lo, hi = stage_bounds(cfg.n_layer, n_stages)[index]
+    C, V, ln = cfg.n_embd, cfg.vocab_size, cfg.n_embd * (1 + int(cfg.bias))
+    per_block = (GPT.count_params(cfg) - V * C - cfg.block_size * C - ln) // cfg.n_layer
+    n = (hi - lo) * per_block
+    n += (V * C + cfg.block_size * C) if index == 0 else 0
+    n += (ln + (V * C if n_stages > 1 else 0)) if index == n_stages - 1 else 0
+    return n
+
+
+class RankStages(nn.Module):
+    """The stages one rank holds, registered under the GPT's own names (``wte``, ``blocks.3``,
+    ``head``...): its state dict is a part of the GPT's, so a checkpoint of every rank's part loads
+    into another pipeline layout or into one process, and the parameters keep the GPT's order."""
+
+    def __init__(self, stages: list[GPTStage]) -> None:
+        super().__init__()
+        self.parts = list(stages)  # not registered: their submodules are, below, under the GPT's names
+        first, last = self.first, self.last
+        if first is not None:
+            self.wte, self.wpe, self.drop = first.wte, first.wpe, first.drop
+        self.blocks = nn.ModuleDict({k: b for s in stages for k, b in s.blocks.items()})
+        if last is not None:
+            self.ln_f, self.head = last.ln_f, last.head
+
+    @property
+    def first(self) -> GPTStage | None:
+        """The first stage of the pipeline, when this rank holds it."""
+        return self.parts[0] if self.parts[0].first else None
+
+    @property
+    def last(self) -> GPTStage | None:
+        """The last stage of the pipeline, when this rank holds it."""
+        return self.parts[-1] if self.parts[-1].last else None
+
+
+def build_schedule(stages: list[GPTStage], n_stages: int, device: torch.device, timeline: Timeline,
+                   microbatches: int, schedule: str, micro_shape: tuple[int, int, int, int],
+                   logits_dtype: torch.dtype, loss_fn):
+    """``torch.distributed.pipelining``'s schedule over this rank's stages, each a :class:`TimedStage`.
+
+    ``micro_shape`` is (rows, tokens, hidden, vocab) of one microbatch: the shapes are given up front
+    (static mode). Without them a stage infers them on the first step and, measured here, keeps 0.7
+    of a microbatch's saved activations alive on stage 0 for the rest of the run; with them the
+    activation peaks equal the hand-written pipeline's exactly.
+    """
+    from torch.distributed import pipelining
+
+    TimedStage = _timed_stage_class()
+    mb, T, C, V = micro_shape
+
+    # requires_grad on the example activations: without it the stage sends no gradient back and
+    # the stages before it silently never learn (measured: stage 0 got no gradient at all).
+    def meta(*shape, dtype=torch.float32):
+        return torch.empty(shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)
+
+    timed = [TimedStage(m, m.index, n_stages, device, timeline=timeline,
+                        input_args=meta(mb, T, dtype=torch.long) if m.first else meta(mb, T, C),
+                        output_args=meta(mb, T, V, dtype=logits_dtype) if m.last else meta(mb, T, C),
+                        output_grads=None if m.last else meta(mb, T, C),
+                        input_grads=None if m.first else meta(mb, T, C)) for m in stages]
+    cls = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
+           "interleaved": pipelining.ScheduleInterleaved1F1B}[schedule]
+    return cls(timed if len(timed) > 1 else timed[0], microbatches, loss_fn=loss_fn)

@@ -1,0 +1,153 @@
+"""What a run costs: compute, time, money, and what preemptions do to all three.
+
+* Training compute is about 6ND FLOPs for N parameters and D tokens: 2ND for the forward pass and
+  4ND for the backward (Kaplan et al. 2020, section 2.1; Hoffmann et al. 2022). Full activation
+  recomputation adds one forward pass, 8ND (Korthikanti et al. 2022, section 5).
+* Time is compute over delivered throughput: devices x peak FLOP/s x model FLOPs utilisation
+  (MFU, Chowdhery et al. 2022, appendix B), which the user supplies.
+* Preemptions arrive as a Poisson process. With checkpoints every tau hours that take C hours to
+  write, a restart that takes R hours and a mean time between failures M, the expected wall time
+  of W hours of work is (W/tau) (M + R) (exp((tau + C)/M) - 1) (Daly 2006, eq. 9 with segments
+  of tau + C, first order in the restart: Daly charges it as M exp(R/M)); without checkpoints it is
+  (M + R)(exp(W/M) - 1). The interval that minimises it is close to Young's sqrt(2 C M)
+  (Young 1974; Daly 2006).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from labkit.core.checks import positive_int, positive_number
+from labkit.planning.accelerators import accelerator
+
+HOURS_PER_DAY = 24.0
+
+
+def _count(name: str, value) -> int:
+    return positive_int(name, value, accept_float=True)
+
+
+def training_flops(n_params: float, tokens: float, recompute: str = "none") -> float:
+    """6ND, or 8ND when every layer's forward is recomputed in backward."""
+    n, d = positive_number("n_params", n_params), positive_number("tokens", tokens)
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r} is unknown; valid modes: ['none', 'selective', 'full']")
+    # Selective recomputation redoes only the attention-score ops, a few percent at most.
+    return (8.0 if recompute == "full" else 6.0) * n * d
+
+
+def training_hours(flops: float, n_devices: int, peak_tflops: float, mfu: float) -> float:
+    """Wall-clock hours at a sustained ``mfu`` fraction of the devices' peak."""
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu must be in (0, 1], got {mfu!r}")
+    n = _count("n_devices", n_devices)
+    return positive_number("flops", flops) / (n * positive_number("peak_tflops", peak_tflops) * 1e12 * mfu) / 3600.0
+
+
+def cluster_mtbf_hours(n_instances: int, preemptions_per_instance_per_day: float) -> float:
+    """Mean hours between preemptions anywhere in a job of ``n_instances`` (any one stops it)."""
+    rate = _count("n_instances", n_instances) * positive_number(
+        "preemptions_per_instance_per_day", preemptions_per_instance_per_day) / HOURS_PER_DAY
+    return 1.0 / rate
+
+
+def young_daly_interval_hours(checkpoint_hours: float, mtbf_hours: float) -> float:
+    """Young's optimal checkpoint interval, sqrt(2 C M)."""
+    return math.sqrt(2 * positive_number("checkpoint_hours", checkpoint_hours) * positive_number("mtbf_hours", mtbf_hours))
+
+
+def expected_wall_hours(work_hours: float, mtbf_hours: float, interval_hours: float | None = None,
+                        checkpoint_hours: float = 0.0, restart_hours: float = 0.0) -> float:
+    """Expected wall time to finish ``work_hours`` of computation under Poisson preemptions.
+
+    ``interval_hours=None`` means no checkpoints: every preemption restarts from step 0.
+    """
+    w, m = positive_number("work_hours", work_hours), positive_number("mtbf_hours", mtbf_hours)
+    if checkpoint_hours < 0 or restart_hours < 0:
+        raise ValueError("checkpoint_hours and restart_hours must be >= 0")
+    if interval_hours is None:
+        return (m + restart_hours) * math.expm1(w / m)
+    tau = min(positive_number("interval_hours", interval_hours), w)
+    return (w / tau) * (m + restart_hours) * math.expm1((tau + checkpoint_hours) / m)
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """When to checkpoint ``work_hours`` of work, and what preemptions then cost in expected hours."""
+
+    work_hours: float
+    mtbf_hours: float
+    checkpoint_hours: float  # C: what one checkpoint holds the run up
+    restart_hours: float  # R: from a preemption to training again
+    interval_hours: float  # Young's sqrt(2 C M)
+    wall_hours: float  # expected, checkpointing at that interval
+    wall_hours_without: float  # expected, never checkpointing: every preemption restarts from step 0
+
+    def wall_hours_at(self, interval_hours: float) -> float:
+        """Expected hours to finish when checkpointing every ``interval_hours`` instead."""
+        return expected_wall_hours(self.work_hours, self.mtbf_hours, interval_hours, self.checkpoint_hours,
+                                   self.restart_hours)
+
+
+def checkpoint_plan(work_hours: float, mtbf_hours: float, checkpoint_hours: float,
+                    restart_hours: float = 0.0) -> CheckpointPlan:
+    """Young's interval for checkpoints costing ``checkpoint_hours`` (C) under preemptions every
+    ``mtbf_hours`` (M) on average, restarts costing ``restart_hours`` (R), and the expected wall time
+    with and without checkpoints (:func:`expected_wall_hours`)."""
+    tau = young_daly_interval_hours(checkpoint_hours, mtbf_hours)
+    return CheckpointPlan(work_hours, mtbf_hours, checkpoint_hours, restart_hours, tau,
+                          expected_wall_hours(work_hours, mtbf_hours, tau, checkpoint_hours, restart_hours),
+                          expected_wall_hours(work_hours, mtbf_hours, None, 0.0, restart_hours))
+
+
+@dataclass(frozen=True)
+class RunCost:
+    devices: int
+    device: str
+    flops: float
+    hours: float
+    gpu_hours: float
+    cost_on_demand: float
+    cost_spot: float  # including the expected rework and checkpoints under preemptions
+    spot_hours: float
+    checkpoint_interval_hours: float
+    mtbf_hours: float
+
+
+def price_run(n_params: float, tokens: float, n_devices: int, device_name: str, mfu: float = 0.4,
+              recompute: str = "none", devices_per_instance: int = 8,
+              preemptions_per_instance_per_day: float = 0.1, checkpoint_minutes: float = 5.0,
+              restart_minutes: float = 10.0) -> RunCost:
+    """Compute, time and money of a run, on demand and on spot with Young-interval checkpoints."""
+    dev = accelerator(device_name)
+    flops = training_flops(n_params, tokens, recompute)
+    hours = training_hours(flops, n_devices, dev.peak_bf16_tflops, mfu)
+    instances = math.ceil(_count("n_devices", n_devices) / _count("devices_per_instance", devices_per_instance))
+    mtbf = cluster_mtbf_hours(instances, preemptions_per_instance_per_day)
+    c, r = checkpoint_minutes / 60.0, restart_minutes / 60.0
+    tau = young_daly_interval_hours(c, mtbf) if c > 0 else hours
+    spot_hours = expected_wall_hours(hours, mtbf, tau, c, r)
+    return RunCost(n_devices, device_name, flops, hours, hours * n_devices,
+                   hours * n_devices * dev.price_on_demand, spot_hours * n_devices * dev.price_spot,
+                   spot_hours, tau, mtbf)
+
+
+def preemption_loss(run_cost: float, run_hours: float, hours_in: float,
+                    checkpoint_every_minutes: float | None, restart_minutes: float = 10.0) -> dict:
+    """What one preemption ``hours_in`` a run costs, with and without periodic checkpoints.
+
+    Without a checkpoint all ``hours_in`` hours are redone. With one every k minutes, at most k
+    minutes (k/2 on average, the preemption falling anywhere in the interval) plus the restart.
+    """
+    burn = positive_number("run_cost", run_cost) / positive_number("run_hours", run_hours)
+    if not 0 < hours_in <= run_hours:
+        raise ValueError(f"hours_in must be in (0, run_hours={run_hours}], got {hours_in!r}")
+    restart = restart_minutes / 60.0
+    if checkpoint_every_minutes is None:
+        lost_worst = lost_mean = hours_in
+    else:
+        k = positive_number("checkpoint_every_minutes", checkpoint_every_minutes) / 60.0
+        lost_worst, lost_mean = min(k, hours_in), min(k, hours_in) / 2
+    return {"burn_per_hour": burn, "lost_hours_worst": lost_worst + restart,
+            "lost_hours_mean": lost_mean + restart, "lost_cost_worst": (lost_worst + restart) * burn,
+            "lost_cost_mean": (lost_mean + restart) * burn}

@@ -1,0 +1,23 @@
+"""Training: one loop for every strategy, the strategy registry, and the command line.
+
+* :mod:`labkit.train.config`: :class:`TrainConfig`, a run described field by field.
+* :mod:`labkit.train.strategies`: every strategy as one record (what it shards, its ZeRO stage,
+  its communication per step, the options it takes, what it cannot do).
+* :mod:`labkit.train.plans`, :mod:`labkit.train.model_parallel_plans`: how each strategy places the
+  model and runs a step of the loop.
+* :mod:`labkit.train.loop`: :func:`train`, the loop; :mod:`labkit.train.resumable`, its checkpoints.
+* :mod:`labkit.train.lr_schedule`: warmup and cosine decay.
+* :mod:`labkit.train.cli`: ``python -m labkit.train``.
+"""
+from labkit.train.config import TrainConfig
+from labkit.train.loop import train, train_many
+from labkit.train.strategies import STRATEGIES, Strategy, strategy
+
+__all__ = ["STRATEGIES", "Strategy", "TrainConfig", "main", "strategy", "train", "train_many"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m labkit.train`` (:func:`labkit.train.cli.main`)."""
+    from labkit.train.cli import main as cli_main
+
+    return cli_main(argv)

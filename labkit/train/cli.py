@@ -1,0 +1,177 @@
+"""``python -m labkit.train``: the training loop from a shell, under torchrun, DeepSpeed's launcher or srun.
+
+    python -m labkit.train --strategy fsdp --steps 20                 # one process (a one-rank group)
+    torchrun --nproc-per-node 2 -m labkit.train --strategy ddp --steps 20 --metrics out.json
+
+Every flag is a :class:`~labkit.train.config.TrainConfig` or :class:`~labkit.core.model.GPTConfig`
+field, grouped as ``--help`` shows. A bad value ends the run with one line, ``error: ...``, and exit
+status 2, on every rank, before training starts; a run that finishes exits 0, one preempted 75.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from labkit.core.cli import ArgumentParser
+from labkit.core.model import GPTConfig
+from labkit.fault_tolerance.preemption import REQUEUE_EXIT_CODE
+from labkit.train.config import GROUPS, TrainConfig
+from labkit.train.strategies import STRATEGIES
+
+MODEL_HELP = {
+    "vocab_size": "tokens in the vocabulary (256: every byte is a token)",
+    "block_size": "context length in tokens (the sequence length every row has)",
+    "n_layer": "transformer blocks",
+    "n_head": "attention heads per block (must divide --n-embd)",
+    "n_embd": "hidden size (width of the residual stream)",
+    "dropout": "dropout probability in [0, 1)",
+    "bias": "biases in the linear layers and LayerNorms",
+}
+CLI_ONLY = ("return_params",)  # fields a notebook sets and a command line has no use for
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action: argparse.Action) -> str:  # no "(default: None)" noise
+        return action.help if action.default in (None, argparse.SUPPRESS) else super()._get_help_string(action)
+
+
+def _describe_strategies() -> str:
+    rows = [f"  {s.name:14} {s.summary}" + (" [teaching]" if s.teaching else "") for s in STRATEGIES.values()]
+    return "strategies:\n" + "\n".join(rows)
+
+
+def _kind(f, default) -> dict:
+    choices = f.metadata.get("choices")
+    if choices:
+        return {"choices": choices}
+    if isinstance(default, bool) or f.type in ("bool | None",):
+        return {"action": argparse.BooleanOptionalAction}
+    return {"type": str if default is None else type(default)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="python -m labkit.train", formatter_class=_Formatter,
+                                description="Train the lab GPT with a parallel strategy; run it under torchrun "
+                                            "for several ranks.", epilog=_describe_strategies())
+    groups = {g: p.add_argument_group(g) for g in GROUPS}
+    for f in fields(TrainConfig):
+        if f.name in CLI_ONLY:
+            continue
+        names = ["--" + f.name.replace("_", "-")] + (["--schedule"] if f.name == "pp_schedule" else [])
+        kind = _kind(f, f.default)
+        if f.name == "strategy":
+            kind = {"choices": list(STRATEGIES)}
+        groups[f.metadata["group"]].add_argument(*names, dest=f.name, default=f.default, help=f.metadata["help"],
+                                                 **kind)
+    model = p.add_argument_group("model (GPTConfig)")
+    for f in fields(GPTConfig):
+        model.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=MODEL_HELP[f.name],
+                           **_kind(f, f.default))
+    data = groups["data and optimisation"]
+    data.add_argument("--corpus", default=None, help="text file to train on, read as bytes (default: the shipped "
+                      "tiny Shakespeare)")
+    out = groups["output"]
+    out.add_argument("--metrics", default=None, help="write the run's metrics JSON here (rank 0)")
+    p.add_argument("--list-strategies", action="store_true", help="describe every strategy and exit")
+    p.add_argument("--can-checkpoint", action="store_true", help="print 'yes' when --strategy can save and resume, "
+                   "else 'no: <why>', and exit (for batch scripts)")
+    # The `deepspeed` launcher passes --local_rank; the rank is read from the environment anyway.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def flags_from(values: dict) -> list[str]:
+    """Command-line flags for the ``TrainConfig`` and ``GPTConfig`` fields among ``values`` (other keys,
+    and values that are not plain numbers, strings or booleans, are left out)."""
+    known = {f.name for f in (*fields(TrainConfig), *fields(GPTConfig))} - set(CLI_ONLY)
+    out: list[str] = []
+    for k, v in values.items():
+        if k not in known or v is None:
+            continue
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            out.append(flag if v else "--no-" + k.replace("_", "-"))
+        elif isinstance(v, (int, float, str)):
+            out += [flag, str(v)]
+    return out
+
+
+def to_flags(cfg: TrainConfig, model_cfg: GPTConfig | None = None) -> list[str]:
+    """The flags of ``python -m labkit.train`` that make the run ``cfg`` (on ``model_cfg``): every field
+    that differs from its default."""
+    changed = {f.name: getattr(cfg, f.name) for f in fields(TrainConfig) if getattr(cfg, f.name) != f.default}
+    if model_cfg is not None:
+        changed |= {f.name: getattr(model_cfg, f.name) for f in fields(GPTConfig)
+                    if getattr(model_cfg, f.name) != f.default}
+    return flags_from(changed)
+
+
+def _configs(parser: argparse.ArgumentParser, args: dict) -> tuple[TrainConfig, GPTConfig]:
+    try:
+        tc = TrainConfig(**{f.name: args[f.name] for f in fields(TrainConfig) if f.name in args})
+        mc = GPTConfig(**{f.name: args[f.name] for f in fields(GPTConfig)})
+        if args["corpus"] is not None and not Path(args["corpus"]).is_file():
+            raise ValueError(f"corpus={args['corpus']!r} is not a file; pass the path of a text file, or leave "
+                             "--corpus out for the shipped corpus")
+    except ValueError as e:
+        parser.error(as_flags(str(e)))  # exits 2 with the message, as for any other bad flag
+    return tc, mc
+
+
+def as_flags(message: str) -> str:
+    """A config error in the command line's words: ``batch_size must...`` -> ``--batch-size must...``."""
+    known = {f.name for f in (*fields(TrainConfig), *fields(GPTConfig))} | {"corpus"}
+
+    def flag(m: re.Match) -> str:
+        return "--" + m.group(2).replace("_", "-") if m.group(2) in known else m.group(0)
+
+    return re.sub(r"\b(GPTConfig\.)?([a-z][a-z0-9_]*)\b(?==| must| has no effect| is not)", flag, message)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from labkit.launch import init_from_env, init_one_rank, leave_group
+    from labkit.train.loop import train
+    from labkit.train.strategies import strategy
+
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    if args["list_strategies"]:
+        print(_describe_strategies())
+        return 0
+    if args["can_checkpoint"]:
+        why = strategy(args["strategy"]).cannot_checkpoint
+        print("yes" if why is None else f"no: {why}")
+        return 0
+    tc, mc = _configs(parser, args)
+    try:
+        if "RANK" in os.environ:
+            rank, world, _ = init_from_env(tc.device)
+        elif strategy(tc.strategy).needs_group:
+            init_one_rank(tc.device)
+            rank, world = 0, 1
+        else:
+            rank, world, _ = init_from_env(tc.device)
+        result = train(tc, mc, corpus=args["corpus"])
+    except ValueError as e:  # what only this world size cannot do: the same one line on every rank
+        leave_group(clean=False)
+        parser.error(as_flags(str(e)))
+    except BaseException:
+        leave_group(clean=False)
+        raise
+    leave_group()
+    preempted = result["preempted"] is not None
+    if rank == 0:
+        print(f"{tc.strategy} on {world} rank(s): steps {result['start_step']}..{len(result['loss'])}, loss "
+              f"{result['loss'][0]:.4f} -> {result['loss'][-1]:.4f} in {sum(result['step_time_s']):.2f} s"
+              + (f"; preempted by {result['preempted']['signal']}, exiting {REQUEUE_EXIT_CODE} to be requeued"
+                 if preempted else ""))
+        if args["metrics"]:
+            out = Path(args["metrics"])
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"config": asdict(tc), **result}, indent=1))
+            print(f"metrics written to {out}")
+    return REQUEUE_EXIT_CODE if preempted else 0

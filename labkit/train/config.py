@@ -1,0 +1,113 @@
+"""What a training run is: one ``TrainConfig``, each field with its unit, valid values and help.
+
+The same fields are the flags of ``python -m labkit.train`` (:mod:`labkit.train.cli` builds the
+parser from them, grouped as below), so a notebook and a cluster job describe a run alike. A config
+checks itself when it is made: a bad value, or an option the chosen strategy does not take, is a
+``ValueError`` that names the field and what would be valid, before anything starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from labkit.core.checks import non_negative_int, non_negative_number, one_of, positive_int, positive_number
+from labkit.core.devices import DEVICE_TYPES, check_device
+from labkit.fault_tolerance.preemption import check_grace
+from labkit.parallel.activation_checkpointing import parse_policy
+from labkit.parallel.pipeline_parallel import PP_SCHEDULES
+from labkit.train.lr_schedule import LR_SCHEDULES
+
+# How the loop computes (Micikevicius et al. 2018): fp32 throughout; bf16 or fp16 autocast with fp32
+# weights and optimizer states (fp16 with dynamic loss scaling, torch's GradScaler).
+TRAIN_PRECISIONS = ("fp32", "bf16", "fp16")
+GROUPS = ("strategy", "data and optimisation", "precision and memory", "checkpointing and preemption", "output")
+
+
+def _f(default: Any, group: str, help: str, choices: tuple | None = None) -> Any:
+    return field(default=default, metadata={"group": group, "help": help, "choices": choices})
+
+
+@dataclass
+class TrainConfig:
+    """One training run of the lab GPT; see the module docstring. Fields are the CLI's flags."""
+
+    strategy: str = _f("single", "strategy", "how the model and the data are split over the ranks "
+                       "(python -m labkit.train --list-strategies describes each)")
+    device: str = _f("cpu", "strategy", "cpu (gloo between ranks) or cuda (one GPU per rank, NCCL)", DEVICE_TYPES)
+    bucket_cap_mb: float = _f(25.0, "strategy", "ddp, dp_bucketed: MiB of gradients per all-reduce bucket")
+    reshard_after_forward: bool = _f(True, "strategy", "fsdp: free each block's gathered parameters after its "
+                                     "forward (ZeRO-3); --no-reshard-after-forward keeps them until backward")
+    cpu_offload: bool = _f(False, "strategy", "fsdp: keep parameter, gradient and optimizer shards in CPU memory")
+    fsdp_bf16: bool = _f(False, "strategy", "fsdp: bf16 parameters for compute, fp32 shards and reductions")
+    offload_optimizer: bool = _f(False, "strategy", "zero1/zero2/zero3: Adam states and step on the CPU "
+                                 "(ZeRO-Offload)")
+    tp: int = _f(0, "strategy", "tp, tp_scratch: tensor-parallel degree, ranks per group (0: every rank); the "
+                 "other world/tp ranks are FSDP2 data parallel")
+    sequence_parallel: bool = _f(False, "strategy", "tp: LayerNorms and dropout on s/tp tokens per rank "
+                                 "(all-gather + reduce-scatter instead of all-reduce)")
+    pp: int = _f(0, "strategy", "pp, pp_scratch: pipeline stages, one per rank (0: every rank)")
+    microbatches: int = _f(4, "strategy", "pp, pp_scratch: microbatches the global batch is cut into")
+    pp_schedule: str = _f("1f1b", "strategy", "pp, pp_scratch: pipeline schedule (--schedule is the old name)",
+                          PP_SCHEDULES)
+    steps: int = _f(20, "data and optimisation", "optimizer steps to train")
+    batch_size: int = _f(8, "data and optimisation", "global batch in rows (sequences) per step, summed over "
+                         "every rank: micro-batch x grad_accum x data-parallel ranks")
+    grad_accum: int = _f(1, "data and optimisation", "micro-batches per rank per step (gradient accumulation)")
+    lr: float = _f(3e-3, "data and optimisation", "peak learning rate of AdamW (betas 0.9, 0.95)")
+    weight_decay: float = _f(0.0, "data and optimisation", "AdamW's decoupled weight decay")
+    grad_clip: float = _f(1.0, "data and optimisation", "clip the global gradient norm to this; 0 disables")
+    lr_schedule: str = _f("constant", "data and optimisation", "constant, or cosine decay to lr/10 at the last "
+                          "step (after --warmup-steps)", LR_SCHEDULES)
+    warmup_steps: int = _f(0, "data and optimisation", "steps of linear warmup from lr/warmup_steps")
+    seed: int = _f(0, "data and optimisation", "seeds the weights, the data order and every rank's RNGs")
+    precision: str = _f("fp32", "precision and memory", "fp32; bf16 or fp16 autocast with fp32 weights "
+                        "(fp16 adds loss scaling)", TRAIN_PRECISIONS)
+    activation_checkpointing: str = _f("none", "precision and memory", "recompute in backward: none, full, "
+                                       "every:k (every k-th block) or selective (op level)")
+    checkpoint_dir: str | None = _f(None, "checkpointing and preemption", "save checkpoints here and resume from "
+                                    "the newest good one (labkit.fault_tolerance)")
+    save_every: int = _f(0, "checkpointing and preemption", "steps between checkpoints; 0: only at the end and on "
+                         "preemption")
+    keep_last: int = _f(2, "checkpointing and preemption", "checkpoints to keep (the newest always)")
+    async_save: bool = _f(False, "checkpointing and preemption", "block training only for the copy to host "
+                          "memory; write in a background thread")
+    resume: bool = _f(True, "checkpointing and preemption", "start from the newest good checkpoint in "
+                      "--checkpoint-dir (--no-resume refuses a non-empty one)")
+    grace_s: float = _f(30.0, "checkpointing and preemption", "seconds from SIGTERM/SIGUSR1 to SIGKILL: finish "
+                        "the step, save if it fits, exit 75 (requeue)")
+    reserve_s: float = _f(2.0, "checkpointing and preemption", "seconds of --grace-s kept back for leaving "
+                          "cleanly: a save that would eat into them is skipped")
+    step_log: str | None = _f(None, "output", "append one JSON line per step, checkpoint, restore and preemption "
+                              "(rank 0)")
+    progress: bool | None = _f(None, "output", "a progress bar (default: on a terminal, for runs of 50 steps "
+                               "or more)")
+    return_params: bool = field(default=False, metadata={"group": None, "help": "return the full parameters "
+                                                         "(gathered on every rank); not a CLI flag"})
+
+    def __post_init__(self) -> None:
+        from labkit.train.strategies import check_config
+
+        for name in ("steps", "batch_size", "grad_accum", "keep_last", "microbatches"):
+            positive_int(name, getattr(self, name))
+        for name in ("warmup_steps", "save_every", "tp", "pp", "seed"):
+            non_negative_int(name, getattr(self, name))
+        positive_number("lr", self.lr)
+        positive_number("bucket_cap_mb", self.bucket_cap_mb)
+        non_negative_number("weight_decay", self.weight_decay)
+        non_negative_number("grad_clip", self.grad_clip)
+        one_of("pp_schedule", self.pp_schedule, PP_SCHEDULES, "pipeline schedules")
+        one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES, "schedules")
+        one_of("precision", self.precision, TRAIN_PRECISIONS, "precisions")
+        check_device(self.device, 1)
+        try:
+            parse_policy(self.activation_checkpointing)
+        except ValueError as e:
+            raise ValueError(f"activation_checkpointing: {e}") from None
+        check_grace(self.grace_s, self.reserve_s)
+        check_config(self)  # what the chosen strategy takes, refuses, or cannot do
+
+
+def defaults() -> dict[str, Any]:
+    """Every field's default, by name."""
+    return {f.name: f.default for f in fields(TrainConfig)}
+

@@ -1,0 +1,131 @@
+"""The one training loop every strategy runs, from a notebook, under torchrun, or on a cluster.
+
+From a notebook: ``labkit.launch.launch(train, TrainConfig(strategy="ddp"), world_size=2)``.
+From a shell, the same loop (:mod:`labkit.train.cli`)::
+
+    python -m labkit.train --strategy single --steps 20 --metrics out.json
+    torchrun --nproc-per-node 2 -m labkit.train --strategy fsdp --steps 20 --metrics out.json
+
+The loop builds the plain GPT, seeds every rank, reads each step's batch (a pure function of seed
+and step), times and counts every step, keeps the loss of the global batch, saves and resumes; what
+differs between strategies (wrapping, sharding or splitting the model, one step's forward, backward
+and update) is asked of the strategy's plan (:mod:`labkit.train.plans`). With ``checkpoint_dir``
+the run saves there and a restarted run resumes from the newest good checkpoint bit for bit; on
+SIGTERM or SIGUSR1 it finishes the step, saves and reports ``preempted``.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+from tqdm import tqdm
+
+from labkit.comm.counter import CommCounter, ring_volume
+from labkit.core.data import get_batch, load_corpus, train_val_split
+from labkit.core.devices import current_device, gather_objects, rank_and_world, synchronize
+from labkit.core.model import GPT, GPTConfig, build_model
+from labkit.fault_tolerance.rng import seed_rngs
+from labkit.train.config import TrainConfig
+from labkit.train.lr_schedule import lr_scheduler
+from labkit.train.plans import Plan
+from labkit.train.resumable import Resumable
+from labkit.train.strategies import strategy
+
+
+def make_plan(cfg: TrainConfig, model_cfg: GPTConfig) -> Plan:
+    """The strategy's plan for this rank, its world-dependent checks passed (before any collective)."""
+    import torch.distributed as dist
+
+    spec = strategy(cfg.strategy)
+    rank, world = rank_and_world()
+    if spec.needs_group and not dist.is_initialized():
+        raise ValueError(f"strategy={spec.name!r} needs a process group: run it under labkit.launch.launch or "
+                         "torchrun (python -m labkit.train starts a one-rank group by itself)")
+    plan = spec.plan(cfg, spec, model_cfg, current_device(cfg.device), rank, world)
+    plan.check_run()
+    return plan
+
+
+def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | None = None) -> dict:
+    """Train on this process's rank (or alone); return losses, timings and per-rank figures."""
+    model_cfg = model_cfg or GPTConfig()
+    plan = make_plan(cfg, model_cfg)
+    rank, world, device = plan.rank, plan.world, plan.device
+    data = train_val_split(load_corpus(corpus)).train
+
+    seed_rngs(cfg.seed, rank)  # dropout's masks; a resume restores the states the checkpoint holds
+    model = build_model(model_cfg, seed=cfg.seed).to(device)
+    # Psi, before any strategy shards the parameters in place
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    plan.prepare(model)
+    optimizer = plan.make_optimizer()
+    plan.attach(optimizer, lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, cfg.steps),
+                plan.make_scaler())
+
+    meta = {"strategy": cfg.strategy, "world_size": world, "seed": cfg.seed, "batch_size": cfg.batch_size,
+            "model": model_cfg.to_dict(), "reshardable": not plan.spec.deepspeed}
+    engine = getattr(plan, "engine", None)
+    ft = Resumable(cfg, meta, None if engine else plan.module, None if engine else plan.optimizer,
+                   None if engine else plan.scheduler, engine, plan.scaler)
+    start, losses = ft.start()
+    show = cfg.progress if cfg.progress is not None else (sys.stderr.isatty() and cfg.steps >= 50)
+    bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.strategy} x{world}", disable=not show or rank != 0,
+               mininterval=1.0)
+    times, comm_by_op, calls_by_op, held, local_losses = [], [], [], [], []
+    states = None
+    try:
+        for step in range(start, cfg.steps):
+            x, y = (t.to(device) for t in get_batch(data, step, cfg.batch_size, model_cfg.block_size, cfg.seed,
+                                                      plan.data_rank, plan.data_world))
+            plan.before_step()
+            synchronize(device)
+            t0 = time.perf_counter()
+            with CommCounter() as counter:
+                local = plan.step(x, y)
+            synchronize(device)
+            times.append(time.perf_counter() - t0)
+            plan.after_step()
+            states = plan.model_states()  # counted outside the timed step, before the gradients are freed
+            held.append(states.total)
+            plan.zero_grad()
+            comm_by_op.append(dict(counter.bytes))
+            calls_by_op.append(dict(counter.calls))
+            mine_loss, global_loss = torch.stack([local, plan.global_loss(local)]).tolist()  # one device sync
+            local_losses.append(mine_loss)
+            losses.append(global_loss)
+            bar.update()
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+            if ft.end_of_step(step + 1, losses):  # preempted: saved (if there was time); stop here
+                break
+    except BaseException:
+        ft.abort()  # SIGTERM must stop a failed rank again, or torchrun waits out its grace period
+        raise
+    bar.close()
+    faults = ft.finish()
+
+    mine = {"rank": rank, "step_time_s": times,
+            "allreduce_bytes_per_step": [b.get("allreduce", 0) for b in comm_by_op],
+            "allreduce_calls_per_step": [c.get("allreduce", 0) for c in calls_by_op],
+            "comm_bytes_per_step": comm_by_op, "comm_calls_per_step": calls_by_op,
+            "comm_volume_per_step": [ring_volume(b, world) for b in comm_by_op],
+            "model_state_bytes": asdict(states) | {"total": states.total} if states else None,
+            "model_state_bytes_per_step": held, "local_loss": local_losses, **plan.rank_figures()}
+    ranks = gather_objects(mine)
+    n_params = GPT.count_params(model_cfg)
+    result = {
+        "strategy": cfg.strategy, "world_size": world, "device": cfg.device, "steps": cfg.steps,
+        "precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
+        "seed": cfg.seed, "batch_size": cfg.batch_size, "model": model_cfg.to_dict(), "n_params": n_params,
+        "grad_bytes": grad_bytes, "loss": losses, "step_time_s": times, "ranks": ranks, "start_step": start,
+        **faults, "predicted_model_state_bytes": plan.predicted_model_states(n_params), **plan.result_fields(ranks),
+    }
+    if cfg.return_params:  # sharded parameters are gathered (a collective: every rank calls it)
+        result["params"] = plan.full_state_dict()
+    return result
+
+
+def train_many(configs: list[TrainConfig], model_cfg: GPTConfig | None = None) -> list[dict]:
+    """Several runs in one process group (one launch, one DeepSpeed op build), in order."""
+    return [train(c, model_cfg) for c in configs]
