@@ -1,2 +1,9 @@
 """The old import path of the lab GPT; it lives in :mod:`labkit.core.model`."""
-from labkit.core.model import GPT, Block, CausalSelfAttention, GPTConfig, MLP, build_model  # noqa: F401
+from labkit.core.model import (  # noqa: F401
+    GPT,
+    MLP,
+    Block,
+    CausalSelfAttention,
+    GPTConfig,
+    build_model,
+)

@@ -21,6 +21,7 @@ from labkit.launch import launch
 from labkit.core.model import GPTConfig
 from labkit.fault_tolerance.preemption import EXIT, SAVE_AND_EXIT, PreemptionHandler, REQUEUE_EXIT_CODE
 from labkit.train import TrainConfig, main, train, train_many
+from labkit.train.cli import to_flags
 
 
 def _state(step: int, n: int = 4096) -> dict:
@@ -56,7 +57,7 @@ def test_single_process_round_trip_retention_and_template(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(keep_last=0), ValueError, "keep_last must be an integer >= 1"),
+    (dict(keep_last=0), ValueError, "keep_last must be a positive integer, got 0"),
     (dict(hash="md5"), ValueError, r"hash='md5' is unknown; valid hashes: \['xxh3_64'"),
 ])
 def test_bad_checkpointer_arguments_are_named(tmp_path, kwargs, exc, match):
@@ -239,7 +240,7 @@ def test_async_save_blocks_only_for_the_snapshot_and_writes_it(tmp_path):
 
 
 def test_preemption_handler_agrees_on_save_or_exit():
-    with pytest.raises(ValueError, match="grace_s must be a non-negative number"):
+    with pytest.raises(ValueError, match="grace_s must be a non-negative finite number"):
         PreemptionHandler(grace_s=-1)
     previous = signal.getsignal(signal.SIGUSR1)
     with PreemptionHandler(grace_s=5.0, reserve_s=1.0) as h:
@@ -280,7 +281,7 @@ def test_sigterm_in_the_cli_saves_exits_75_and_the_rerun_resumes(tmp_path):
     (dict(save_every=-1), "save_every must be a non-negative integer"),
     (dict(strategy="zero1_scratch", checkpoint_dir="x"), "checkpoint_dir is not supported with strategy='zero1_scratch'"),
     (dict(strategy="zero2", async_save=True), "async_save=True is not supported with strategy='zero2'"),
-    (dict(reserve_s=-1.0), "reserve_s must be a non-negative number of seconds"),
+    (dict(reserve_s=-1.0), "reserve_s must be a non-negative finite number"),
     (dict(checkpoint_dir="x", grace_s=1.5),
      r"reserve_s=2.0 leaves nothing of grace_s=1.5 for saving; use reserve_s < grace_s \(e.g. reserve_s=0.375; "
      r"--reserve-s"),
@@ -297,7 +298,7 @@ def test_bad_faults_are_named():
         Fault(3, "SIGKILL", "rank1")
     with pytest.raises(ValueError, match="target=True must be a rank"):
         Fault(3, "SIGKILL", True)
-    with pytest.raises(ValueError, match="step=-1 must be a non-negative integer"):
+    with pytest.raises(ValueError, match="step must be a non-negative integer, got -1"):
         Fault(-1)
     with pytest.raises(ValueError, match="must not set --step-log"):
         run_with_faults(["--step-log", "x"], [], "log.jsonl")
@@ -327,22 +328,26 @@ def _job(tmp_path, strategy: str, faults: list[tuple[str, int]]) -> tuple[list[F
     rng = random.Random(strategy)  # random kill points, the same on every run of the test
     first = rng.randint(2, 6)
     points = [Fault(first, *faults[0]), Fault(rng.randint(first + 2, STEPS - 2), *faults[1])]
-    args = ["--strategy", strategy, "--steps", str(STEPS), "--block-size", "16", "--dropout", "0.1",
-            "--lr-schedule", "cosine", "--warmup-steps", "2", "--checkpoint-dir", str(tmp_path / strategy),
-            "--save-every", "2", "--grace-s", "10"] + (["--async-save"] if strategy == "fsdp" else [])
+    cfg = TrainConfig(strategy=strategy, checkpoint_dir=str(tmp_path / strategy), save_every=2, grace_s=10,
+                      async_save=strategy in ("fsdp", "pp"), **BASE)
+    args = to_flags(cfg, MODEL)
     return points, run_with_faults(args, points, tmp_path / f"{strategy}.jsonl", max_restarts=2,
                                    shutdown_timeout=10, timeout_s=400)
 
 
+FAULTS = {"ddp": [("SIGKILL", 1), ("SIGTERM", 0)], "fsdp": [("SIGTERM", 1), ("SIGKILL", 0)],
+          "tp": [("SIGKILL", 0), ("SIGTERM", 1)], "pp": [("SIGTERM", 0), ("SIGKILL", 1)]}
+
+
 def test_resume_is_bit_exact_after_kills_under_torchrun(tmp_path):
-    """DDP (SIGKILL rank 1, then SIGTERM rank 0) and FSDP with async saves (SIGTERM rank 1, then SIGKILL
-    rank 0) under torchrun --max-restarts 2 end bit-identical to uninterrupted runs. The two jobs and
-    the reference run at the same time: most of their time is interpreters starting."""
-    with ThreadPoolExecutor(3) as pool:
+    """DDP, FSDP (async saves), tensor parallelism (DCP saves DTensor shards) and pipeline parallelism
+    (each stage saves its own part, async) under torchrun --max-restarts 2, each hit by a SIGKILL and a
+    SIGTERM at random steps, end bit-identical to uninterrupted runs. The jobs and the reference run at
+    the same time: most of their time is interpreters starting."""
+    with ThreadPoolExecutor(len(FAULTS) + 1) as pool:
         ref = pool.submit(launch, train_many, [TrainConfig(strategy=s, return_params=True, **BASE)
-                                               for s in ("ddp", "fsdp")], MODEL, world_size=2)
-        jobs = {"ddp": pool.submit(_job, tmp_path, "ddp", [("SIGKILL", 1), ("SIGTERM", 0)]),
-                "fsdp": pool.submit(_job, tmp_path, "fsdp", [("SIGTERM", 1), ("SIGKILL", 0)])}
+                                               for s in FAULTS], MODEL, world_size=2)
+        jobs = {s: pool.submit(_job, tmp_path, s, faults) for s, faults in FAULTS.items()}
         reference = {r["strategy"]: r for r in ref.result()[0]}
         for strategy, job in jobs.items():
             points, out = job.result()
@@ -355,6 +360,11 @@ def test_resume_is_bit_exact_after_kills_under_torchrun(tmp_path):
             step, state = Checkpointer(tmp_path / strategy).load_latest()  # no process group: whole tensors
             want = reference[strategy]["params"]
             assert step == STEPS and state["meta"]["world_size"] == 2
+            if strategy == "tp":  # DCP holds the fused QKV rows grouped by rank, as TP trains them
+                from labkit.parallel.tensor_parallel import qkv_from_rank_major
+                state["model"] = {k: qkv_from_rank_major(v, 2) if ".attn.qkv." in k else v
+                                  for k, v in state["model"].items()}
+            assert set(state["model"]) == set(want), strategy  # a pipeline's stages merge into the whole GPT
             assert all(torch.equal(state["model"][k], want[k]) for k in want), f"{strategy}: kill points {points}"
             assert state["losses"] == reference[strategy]["loss"]
     # The DDP checkpoint of 2 ranks resumes in one process: resharded, and it says so.
@@ -368,6 +378,12 @@ def test_resume_is_bit_exact_after_kills_under_torchrun(tmp_path):
     assert fsdp_more["start_step"] == STEPS and fsdp_more["restored"]["saved_world_size"] == 2
     assert "resharded from fsdp x2 to single x1" in fsdp_more["resume_notes"][0]
     assert abs(fsdp_more["loss"][-1] - more["loss"][-1]) < 1e-5, (fsdp_more["loss"][-1], more["loss"][-1])
+    # Tensor- and pipeline-parallel checkpoints (QKV rows grouped by rank; one part per stage, with its
+    # own optimizer states) resume only as they were saved, and say so.
+    for s, layout in (("tp", "tp=2 dp=1"), ("pp", "pp=2 virtual=1")):
+        with pytest.raises(ValueError, match=rf"a {s} checkpoint \({layout} ranks\) resumes only as it was saved"):
+            train(TrainConfig(strategy="single", checkpoint_dir=str(tmp_path / s), **BASE | {"steps": STEPS + 1}),
+                  MODEL)
 
 
 def test_deepspeed_checkpoints_go_through_the_same_checkpointer(tmp_path):

@@ -39,7 +39,8 @@ def ref():
 @pytest.fixture(scope="module")
 def suite():
     extras = [replace(CFG, strategy=s, **kw) for kw in EXTRAS.values() for s in ("tp", "tp_scratch")]
-    return launch(tp_pp_fns.tp_suite, list(VARIANTS.values()) + extras, MODEL, world_size=2, timeout=300)
+    return launch(tp_pp_fns.tp_suite, list(VARIANTS.values()) + extras, MODEL, world_size=2, timeout=300,
+                  dropout_cfg=replace(CFG, strategy="tp", steps=4))
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +74,13 @@ def test_tensor_parallel_matches_single_process_every_step(ref, runs, name):
     assert _max_param_diff(ref, r) < PARAM_TOL
     assert runs[1][name]["loss"] == r["loss"]  # both TP ranks report the same global-batch loss
     assert ref["loss"][-1] < ref["loss"][0] - 0.5
+
+
+def test_ranks_of_a_tensor_parallel_group_draw_the_same_dropout_masks(suite):
+    """Replicated activations must see one mask on every rank of the group, or the replicated weights
+    (LayerNorms, embeddings) drift apart, and a checkpoint, which keeps one copy, resumes another run."""
+    a, b = (rank["dropout"]["params"] for rank in suite)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_hand_written_split_matches_dtensor(runs):

@@ -37,11 +37,17 @@ def mlp_three_ways(seed: int = 0) -> dict:
     return out
 
 
-def tp_suite(configs, model_cfg) -> dict:
-    """The TP training runs and the MLP check in one launch (a launch costs seconds on two cores)."""
-    from labkit.train import train_many
+def tp_suite(configs, model_cfg, dropout_cfg=None) -> dict:
+    """The TP training runs and the MLP check in one launch (a launch costs seconds on two cores);
+    ``dropout_cfg`` runs once more on the model with dropout."""
+    from dataclasses import replace
 
-    return {"runs": train_many(configs, model_cfg), "mlp": mlp_three_ways()}
+    from labkit.train import train, train_many
+
+    out = {"runs": train_many(configs, model_cfg), "mlp": mlp_three_ways()}
+    if dropout_cfg is not None:
+        out["dropout"] = train(dropout_cfg, replace(model_cfg, dropout=0.1))
+    return out
 
 
 @contextmanager

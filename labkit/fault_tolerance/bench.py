@@ -27,10 +27,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from labkit.core.checks import positive_int
-
-from labkit.fault_tolerance.files import HASHES, file_digest
-from labkit.fault_tolerance.checkpointer import Checkpointer
 from labkit.core.model import GPTConfig, build_model
+from labkit.fault_tolerance.checkpointer import Checkpointer
+from labkit.fault_tolerance.files import HASHES, file_digest
 from labkit.fault_tolerance.resume import restore, training_state
 
 

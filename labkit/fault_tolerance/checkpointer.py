@@ -26,13 +26,11 @@
 from __future__ import annotations
 
 import io
-import json
 import os
 import shutil
 import threading
 import time
 import warnings
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -41,16 +39,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from labkit.fault_tolerance.files import (HASHES, SafeReader, deepspeed_safe_globals, describe, file_digest, fill,
-                                     fsync_dir, fsync_tree, read_metadata, scan_weights_only, split, tensor_keys,
-                                     write_durably)
-
-LOCAL = "local"  # state[LOCAL]: this rank's own values, saved per rank and restored only on the same world size
-MANIFEST, LATEST = "manifest.json", "latest"
-
-
-class CheckpointError(RuntimeError):
-    """A save failed (the previous checkpoint is intact), or a checkpoint is unusable."""
+from labkit.core.checks import non_negative_int, one_of, positive_int
+from labkit.fault_tolerance import directory as ckdir
+from labkit.fault_tolerance import loading
+from labkit.fault_tolerance.directory import LATEST, MANIFEST  # noqa: F401 - part of this module's names
+from labkit.fault_tolerance.files import (
+    HASHES,
+    CheckpointError,
+    describe,
+    file_digest,
+    fsync_tree,
+    split,
+    write_durably,
+)
+from labkit.fault_tolerance.loading import LOCAL, is_engine
 
 
 @dataclass
@@ -73,20 +75,13 @@ class LoadInfo:
     skipped: list[tuple[int, str]] = field(default_factory=list)  # (step, why) of newer unusable ones
 
 
-def _is_engine(v: Any) -> bool:  # a DeepSpeed engine, by what the checkpointer calls on it
-    return hasattr(v, "save_checkpoint") and hasattr(v, "load_checkpoint") and hasattr(v, "module")
-
-
 class Checkpointer:
     """Atomic, verified, retained checkpoints of a nested ``state`` dict; see the module docstring."""
 
     def __init__(self, directory: str | os.PathLike, keep_last: int = 2, async_save: bool = False,
                  hash: str = "xxh3_64") -> None:
-        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-            raise ValueError(f"keep_last must be an integer >= 1 (the newest checkpoint is always kept), "
-                             f"got {keep_last!r}")
-        if hash not in HASHES:
-            raise ValueError(f"hash={hash!r} is unknown; valid hashes: {list(HASHES)}")
+        positive_int("keep_last", keep_last)
+        one_of("hash", hash, HASHES, "hashes")
         self.dir, self.keep_last, self.async_save, self.hash = Path(directory), keep_last, async_save, hash
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -102,10 +97,7 @@ class Checkpointer:
         # collectives would interleave with the loop's (a hang; NOTES.md), and gloo moves CPU objects.
         self.pg = dist.new_group(backend="gloo") if self.dist else None
         if self.rank == 0:  # leftovers of saves or deletions that were killed half-way
-            for p in self.dir.glob(".tmp-*"):
-                shutil.rmtree(p, ignore_errors=True)
-            for p in self.dir.glob(".trash-*"):
-                shutil.rmtree(p, ignore_errors=True)
+            ckdir.clear_leftovers(self.dir)
         self._barrier()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -127,25 +119,22 @@ class Checkpointer:
             out = [obj]
         return out
 
-    @staticmethod
-    def name(step: int) -> str:
-        return f"step_{step:08d}"
+    name = staticmethod(ckdir.step_name)
 
     def steps(self) -> list[int]:
         """Published checkpoints, oldest first (whether they verify or not)."""
-        return sorted(int(p.name[5:]) for p in self.dir.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+        return ckdir.published_steps(self.dir)
 
     # -- saving --
     def save(self, step: int, state: dict) -> SaveStats:
         """Checkpoint ``state`` as ``step``; a collective on every rank. Returns when it is published
         (sync) or, with ``async_save``, as soon as the tensors are copied to host memory."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        non_negative_int("step", step)
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict, got {type(state).__name__}")
         self.wait()  # one save in flight at a time
         t0 = time.perf_counter()
-        engine = {k: v for k, v in state.items() if _is_engine(v)}
+        engine = {k: v for k, v in state.items() if is_engine(v)}
         tensors: dict = {}
         skeleton = split({k: v for k, v in state.items() if k != LOCAL and k not in engine}, (), tensors)
         buf = io.BytesIO()
@@ -215,7 +204,9 @@ class Checkpointer:
         err = None
         if self.rank == 0:
             try:
-                self._publish(tmp, final, stats.step, entries)
+                ckdir.write_manifest(tmp, stats.step, self.world, self.hash, entries)
+                ckdir.publish(self.dir, tmp, final)
+                ckdir.retire(self.dir, stats.step, self.keep_last)
             except OSError as e:
                 err = e
         self._check_all(err, stats.step, tmp)
@@ -233,35 +224,10 @@ class Checkpointer:
         raise CheckpointError(f"saving step {step} to {self.dir} failed ({'; '.join(errors)}); nothing was published"
                               + (f" and the previous checkpoint, step {good[-1]}, is intact" if good else ""))
 
-    def _publish(self, tmp: Path, final: Path, step: int, files: dict) -> None:
-        body = json.dumps({"format": 1, "step": step, "world_size": self.world, "hash": self.hash,
-                           "files": dict(sorted(files.items())), "time": time.time()}, sort_keys=True)
-        write_durably(tmp / MANIFEST, f"{zlib.crc32(body.encode()):08x}\n{body}".encode())
-        fsync_dir(tmp)
-        if final.exists():  # the same step saved again after a restart: retire the old copy first
-            os.rename(final, self.dir / f".trash-{final.name}")
-        os.rename(tmp, final)  # the instant the checkpoint becomes visible, complete
-        fsync_dir(self.dir)
-        write_durably(self.dir / f".{LATEST}.tmp", final.name.encode())
-        os.replace(self.dir / f".{LATEST}.tmp", self.dir / LATEST)
-        fsync_dir(self.dir)
-        # Retention only after the new one is durable: keep it and the keep_last - 1 newest others.
-        others = [s for s in self.steps() if s != step]
-        for s in others[: max(0, len(others) - (self.keep_last - 1))]:
-            trash = self.dir / f".trash-{self.name(s)}"
-            os.rename(self.dir / self.name(s), trash)  # never a half-deleted step_* directory
-            shutil.rmtree(trash, ignore_errors=True)
-        for p in self.dir.glob(".trash-*"):
-            shutil.rmtree(p, ignore_errors=True)
-
     # -- loading --
     def manifest(self, step: int) -> dict:
         """The verified manifest of a published checkpoint; CheckpointError when it is damaged."""
-        raw = (self.dir / self.name(step) / MANIFEST).read_bytes()
-        head, _, body = raw.partition(b"\n")
-        if head != f"{zlib.crc32(body):08x}".encode():
-            raise CheckpointError(f"{MANIFEST} of step {step} fails its own checksum")
-        return json.loads(body)
+        return ckdir.read_manifest(self.dir / self.name(step))
 
     def verify(self, step: int) -> list[str]:
         """Problems found in checkpoint ``step`` (empty when every file matches its manifest)."""
@@ -270,15 +236,10 @@ class Checkpointer:
             m = self.manifest(step)
         except (OSError, ValueError, CheckpointError) as e:
             return [f"{MANIFEST}: {e}"]
-        on_disk = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MANIFEST)
+        on_disk = ckdir.files_of(path)
         problems = [f"{f}: missing" for f in m["files"] if f not in on_disk]
         problems += [f"{f}: not in the manifest" for f in on_disk if f not in m["files"]]
-        for f in sorted(set(on_disk) & set(m["files"]))[self.rank::self.world]:
-            size, digest = m["files"][f]
-            if (path / f).stat().st_size != size:
-                problems.append(f"{f}: {(path / f).stat().st_size} bytes, the manifest says {size}")
-            elif file_digest(path / f, m["hash"]) != digest:
-                problems.append(f"{f}: {m['hash']} checksum mismatch")
+        problems += ckdir.check_files(path, m, sorted(set(on_disk) & set(m["files"]))[self.rank::self.world])
         return sorted({p for share in self._gather(problems) for p in share})
 
     def load_latest(self, template: dict | None = None,
@@ -317,52 +278,12 @@ class Checkpointer:
 
     def _open(self, step: int) -> dict:
         """This rank's plain values, after every file that will be unpickled passed the safe unpicklers."""
-        path = self.dir / self.name(step)
-        own = path / f"rank{self.rank}.pt"
-        err, saved = None, None
-        try:  # weights_only: plain containers, numbers, strings and tensors; never arbitrary objects
-            saved = torch.load(own if own.exists() else path / "rank0.pt", weights_only=True)
-            if (path / ".metadata").exists():
-                read_metadata(path)
-            if saved["engines"]:  # this rank's share of DeepSpeed's files
-                scan = sorted(p for key in saved["engines"] for p in (path / key).rglob("*.pt"))
-                scan_weights_only(scan[self.rank::self.world], deepspeed_safe_globals())
-        except Exception as e:  # noqa: BLE001 - every rank must agree to skip
-            err = f"rank {self.rank}: {describe(e)}"
-        errors = [e for e in self._gather(err) if e]
-        if errors:
-            raise CheckpointError("; ".join(errors))
-        return saved
+        return loading.open_plain(self.dir / self.name(step), self.rank, self.world, self._gather)
 
     def _read(self, step: int, saved: dict, template: dict | None) -> dict:
-        path, world = self.dir / self.name(step), self.manifest(step)["world_size"]
-        own = path / f"rank{self.rank}.pt"
-        wanted = tensor_keys(saved["skeleton"])
-        if template is not None:
-            flat: dict = {}
-            split({k: v for k, v in template.items() if k != LOCAL and not _is_engine(v)}, (), flat)
-            flat = {k: v for k, v in flat.items() if k in wanted}
-            missing = sorted(wanted - set(flat))
-            if missing:  # a template of another model or optimizer: refuse rather than fill in None
-                raise CheckpointError(f"step {step} holds {len(missing)} tensor(s) the template lacks, e.g. "
-                                      f"{missing[:3]}; pass a template built like the saved state, or no template")
-            if flat:
-                dcp.load(flat, storage_reader=SafeReader(path), process_group=self.pg, no_dist=not self.dist)
-            for key in saved["engines"]:
-                if key not in template:
-                    raise CheckpointError(f"step {step} holds a DeepSpeed engine under {key!r}; pass it in the template")
-                template[key].load_checkpoint(str(path / key), tag="ckpt", load_module_strict=True)
-        else:
-            md = read_metadata(path) if wanted else None
-            flat = {k: torch.empty(md.state_dict_metadata[k].size, dtype=md.state_dict_metadata[k].properties.dtype)
-                    for k in wanted}
-            if flat:
-                dcp.load(flat, storage_reader=SafeReader(path), no_dist=True)
-        state = fill(saved["skeleton"], flat)
-        state[LOCAL] = saved["local"] if world == self.world and own.exists() else None
-        for key in saved["engines"]:
-            state[key] = template[key] if template is not None else None
-        return state
+        saved_world = self.manifest(step)["world_size"]
+        return loading.read_state(self.dir / self.name(step), step, saved, template, self.rank,
+                                  saved_world == self.world, self.pg, self.dist)
 
     def close(self) -> None:
         """Finish an async save in flight and release the checkpoint process group."""

@@ -22,6 +22,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
+from labkit.core.checks import one_of
+
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
@@ -29,6 +31,10 @@ if TYPE_CHECKING:
 # (A module-level filter: warnings.catch_warnings is not thread-safe, and async saves run in a thread.)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
                         category=UserWarning)
+
+class CheckpointError(RuntimeError):
+    """A save failed (the previous checkpoint is intact), or a checkpoint is unusable."""
+
 
 HASHES = ("xxh3_64", "crc32", "sha256")  # the lab measures the throughput of each
 TENSOR = "__dcp_tensor__"  # placeholder of a tensor in the plain-value skeleton
@@ -44,8 +50,7 @@ def describe(err: BaseException) -> str:
 
 def file_digest(path: str | os.PathLike, algo: str = "xxh3_64", chunk: int = 8 << 20) -> str:
     """Checksum of a file, read in chunks: ``xxh3_64`` (default), ``crc32`` or ``sha256``."""
-    if algo not in HASHES:
-        raise ValueError(f"hash={algo!r} is unknown; valid hashes: {list(HASHES)}")
+    one_of("hash", algo, HASHES, "hashes")
     h = xxhash.xxh3_64() if algo == "xxh3_64" else hashlib.sha256() if algo == "sha256" else None
     crc = 0
     with open(path, "rb") as f:

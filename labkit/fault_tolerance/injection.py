@@ -23,6 +23,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from labkit.core.checks import non_negative_int
+
 
 @dataclass(frozen=True)
 class Fault:
@@ -31,9 +33,7 @@ class Fault:
     target: int | str = 1  # a rank of the current attempt, or "agent" (the torchrun process)
 
     def __post_init__(self) -> None:
-        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
-            raise ValueError(f"step={self.step!r} must be a non-negative integer (the training step after which "
-                             "the fault fires)")
+        non_negative_int("step", self.step)  # the training step after which the fault fires
         if self.signal not in ("SIGKILL", "SIGTERM", "SIGUSR1"):
             raise ValueError(f"signal={self.signal!r} is unknown; valid: ['SIGKILL', 'SIGTERM', 'SIGUSR1']")
         if self.target != "agent" and not (isinstance(self.target, int) and not isinstance(self.target, bool)

@@ -30,6 +30,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from labkit.core.checks import non_negative_number
+
 # EX_TEMPFAIL of BSD sysexits.h: "a temporary failure ... the user is invited to retry the operation
 # later". Distinct from 0 (done), 1 (a crash: do not requeue a bug forever) and 128+N (killed by N).
 REQUEUE_EXIT_CODE = 75
@@ -40,8 +42,7 @@ CONTINUE, SAVE_AND_EXIT, EXIT = "continue", "save_and_exit", "exit"
 def check_grace(grace_s: float, reserve_s: float) -> None:
     """Clear errors for a grace period and reserve that cannot work (``TrainConfig`` checks them early)."""
     for name, v in (("grace_s", grace_s), ("reserve_s", reserve_s)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
-            raise ValueError(f"{name} must be a non-negative number of seconds, got {v!r}")
+        non_negative_number(name, v)  # seconds
     if reserve_s >= grace_s > 0:
         raise ValueError(f"reserve_s={reserve_s} leaves nothing of grace_s={grace_s} for saving; use "
                          f"reserve_s < grace_s (e.g. reserve_s={grace_s / 4:g}; --reserve-s on the command line)")

@@ -54,20 +54,23 @@ def training_state(step: int, meta: dict, losses: list[float],
 def check_compatible(saved: dict, meta: dict) -> list[str]:
     """ValueError when ``saved`` belongs to a different run; notes when strategy or world size changed.
 
-    ``meta["reshardable"]`` is False for a format that only loads on the strategy and world size that
-    wrote it (DeepSpeed's own checkpoints)."""
+    ``meta["reshardable"]`` is False for a checkpoint that only loads as it was written, on the strategy,
+    world size and ``meta["layout"]`` that wrote it (DeepSpeed's own format; tensor parallelism, whose
+    fused QKV rows are stored grouped by rank)."""
     for key in MUST_MATCH:
         if saved.get(key) != meta.get(key):
             raise ValueError(f"the checkpoint was saved with {key}={saved.get(key)!r} but this run has "
                              f"{key}={meta.get(key)!r}: resuming would be a different run; set {key} back "
                              "or start in a new checkpoint_dir")
     notes = []
-    if saved["strategy"] != meta["strategy"] or saved["world_size"] != meta["world_size"]:
-        if not (saved.get("reshardable", True) and meta.get("reshardable", True)):
-            raise ValueError(f"a DeepSpeed checkpoint resumes only with the strategy and world size it was saved "
-                             f"with ({saved['strategy']} on {saved['world_size']} ranks), not "
-                             f"{meta['strategy']} on {meta['world_size']}; valid: strategy={saved['strategy']!r} "
-                             f"with {saved['world_size']} ranks")
+    moved = (saved["strategy"], saved["world_size"], saved.get("layout")) != (
+        meta["strategy"], meta["world_size"], meta.get("layout"))
+    if moved and not (saved.get("reshardable", True) and meta.get("reshardable", True)):
+        raise ValueError(f"a {saved['strategy']} checkpoint ({saved.get('layout') or saved['world_size']} ranks) "
+                         f"resumes only as it was saved, not as {meta['strategy']} on {meta['world_size']} ranks "
+                         f"({meta.get('layout', '')}); valid: strategy={saved['strategy']!r} with "
+                         f"{saved['world_size']} ranks" + (f" and {saved['layout']}" if saved.get("layout") else ""))
+    if moved:
         notes.append(f"resharded from {saved['strategy']} x{saved['world_size']} to {meta['strategy']} "
                      f"x{meta['world_size']}: per-rank RNG streams restart (they belong to the old ranks)")
     return notes

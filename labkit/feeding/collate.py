@@ -20,9 +20,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from labkit.feeding.batching import make_batches
+from labkit.core.checks import non_negative_int, positive_int
 from labkit.core.model import GPTConfig, build_model
-from labkit.core.checks import positive_int
+from labkit.feeding.batching import make_batches
 
 IGNORE = -100  # F.cross_entropy's default ignore_index
 PAD_DOC = -1  # doc id of padding: attends only to padding, never seen by a real token
@@ -31,8 +31,7 @@ PAD_DOC = -1  # doc id of padding: attends only to padding, never seen by a real
 def segments(rows: Sequence[Sequence[int]], lengths: Sequence[int], capacity: int) -> list[list[tuple[int, int, int]]]:
     """``(index, start, length)`` of every piece in every row, following ``labkit.packing.pack``'s
     rule: the k-th appearance of an index is the piece starting at token ``k * capacity``."""
-    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
-        raise ValueError(f"capacity must be a positive integer, got {capacity!r}")
+    positive_int("capacity", capacity)
     seen: dict[int, int] = {}
     out = []
     for row in rows:
@@ -99,8 +98,7 @@ def train_policies(policies: Sequence[str], lengths: Sequence[int], docs: Sequen
     the padding fraction and the median step in ms (``warmup`` steps excluded).
     """
     positive_int("steps", steps)
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be a non-negative integer (steps left out of the figures), got {warmup!r}")
+    non_negative_int("warmup", warmup)  # steps left out of the figures
     if not policies:
         raise ValueError("policies is empty; pass some of labkit.batching.POLICIES")
     dev = torch.device(device)

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from labkit.core.checks import positive_int
+
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """The batch with every tensor moved to ``device`` (tuples, lists and dicts walked)."""
@@ -60,8 +62,7 @@ class BackgroundPrefetcher:
     _END = object()
 
     def __init__(self, loader: Iterable, depth: int = 2, device: str | None = None) -> None:
-        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
-            raise ValueError(f"depth must be a positive integer, got {depth!r}")
+        positive_int("depth", depth)
         self.loader, self.depth = loader, depth
         self.device = torch.device(device) if device is not None else None
         if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_available():

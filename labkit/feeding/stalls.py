@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from labkit.core.checks import non_negative_int, positive_int
 from labkit.feeding.prefetch import batch_tensors, to_device
 
 # TensorFlow profiler, op_stats_to_input_pipeline_analysis.cc: 5% and 20% of step time.
@@ -173,8 +174,7 @@ def analytic_wait_fraction(load_s: float, compute_s: float, num_workers: int) ->
     for name, v in (("load_s", load_s), ("compute_s", compute_s)):
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
             raise ValueError(f"{name} must be a finite number of seconds >= 0, got {v!r}")
-    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
-        raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
+    non_negative_int("num_workers", num_workers)
     if load_s + compute_s == 0:
         raise ValueError("load_s and compute_s cannot both be 0: there is no step to share")
     if num_workers == 0:
@@ -208,10 +208,9 @@ def measure_stalls(
     left out of the shares: they pay one-off costs (worker start-up, the pipeline filling) that
     the steady state does not. ``pad_id`` marks padding in the input ids for the useful-token count.
     """
-    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
-        raise ValueError(f"steps must be a positive integer or None (the whole loader), got {steps!r}")
-    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
+    if steps is not None:  # None: the whole loader
+        positive_int("steps", steps)
+    non_negative_int("warmup", warmup)
     if steps is not None and warmup >= steps:
         raise ValueError(f"warmup={warmup} leaves no steady steps out of steps={steps}; use warmup < steps")
     if not callable(step_fn):

@@ -21,7 +21,6 @@ directive is an error.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import re

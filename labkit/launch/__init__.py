@@ -11,8 +11,14 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from labkit.launch.local import RankError, init_from_env, init_one_rank, launch_local, leave_group
 from labkit.launch import slurm as _slurm
+from labkit.launch.local import (
+    RankError,
+    init_from_env,
+    init_one_rank,
+    launch_local,
+    leave_group,
+)
 from labkit.launch.slurm import check_slurm_options, launch_slurm
 
 __all__ = ["RankError", "init_from_env", "init_one_rank", "launch", "launch_local", "launch_slurm", "leave_group"]

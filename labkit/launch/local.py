@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 from labkit.core.checks import positive_number
 from labkit.core.devices import backend_for, check_device, rank_device, share_cores
 
+
 class RankError(RuntimeError):
     """One or more ranks failed; ``failures`` maps rank -> traceback text."""
 

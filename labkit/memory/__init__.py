@@ -9,9 +9,22 @@
 ``python -m labkit.memory`` prints the per-device bytes of a configuration in a terminal
 (:mod:`labkit.planning.cli`). The calculator's names are importable from here.
 """
-from labkit.memory.calculator import (BYTES_PER_PARAM, GB, MODELS, RECOMPUTE, STAGES, MemoryEstimate, ModelShape,
-                                      ModelStates, activation_bytes_per_layer, autocast_extra_bytes_per_layer,
-                                      estimate_memory, model_shape, model_state_breakdown, zero_model_state_bytes)
+from labkit.memory.calculator import (
+                                      BYTES_PER_PARAM,
+                                      GB,
+                                      MODELS,
+                                      RECOMPUTE,
+                                      STAGES,
+                                      MemoryEstimate,
+                                      ModelShape,
+                                      ModelStates,
+                                      activation_bytes_per_layer,
+                                      autocast_extra_bytes_per_layer,
+                                      estimate_memory,
+                                      model_shape,
+                                      model_state_breakdown,
+                                      zero_model_state_bytes,
+)
 
 __all__ = ["BYTES_PER_PARAM", "GB", "MODELS", "RECOMPUTE", "STAGES", "MemoryEstimate", "ModelShape", "ModelStates",
            "activation_bytes_per_layer", "autocast_extra_bytes_per_layer", "estimate_memory", "model_shape",

@@ -103,8 +103,8 @@ def activation_bytes_per_layer_measured(cfg, micro_batch: int, autocast_dtype: t
     """
     from dataclasses import replace
 
-    from labkit.parallel.activation_checkpointing import apply
     from labkit.core.model import build_model
+    from labkit.parallel.activation_checkpointing import apply
 
     g = torch.Generator().manual_seed(seed)
     idx, tgt = torch.randint(0, cfg.vocab_size, (2, micro_batch, cfg.block_size), generator=g).to(device)

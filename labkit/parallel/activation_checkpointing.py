@@ -26,7 +26,11 @@ import functools
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 POLICIES = ("none", "full", "every:k", "selective")
 _aten = torch.ops.aten
@@ -63,7 +67,9 @@ def _checkpointed_forward(original, selective: bool, *args, **kwargs):
 
 def _deepspeed_checkpoint(kind: str):
     import deepspeed.comm
-    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+    from deepspeed.runtime.activation_checkpointing import (
+        checkpointing as ds_checkpointing,
+    )
 
     if kind == "selective":
         raise ValueError("policy='selective' has no DeepSpeed equivalent (DeepSpeed checkpoints whole "

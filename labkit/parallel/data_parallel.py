@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from labkit.core.checks import positive_number
+
 
 def _broadcast_from_rank0(module: nn.Module) -> None:
     # Replicas must start identical; DDP does the same broadcast in its constructor.
@@ -59,8 +61,7 @@ class BucketedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0) -> None:
         super().__init__()
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
+        positive_number("bucket_cap_mb", bucket_cap_mb)
         self.module = module
         _broadcast_from_rank0(module)
         # Reverse registration order approximates the order backward produces gradients in.

@@ -16,7 +16,11 @@ def fully_shard_gpt(model: nn.Module, device: torch.device, reshard_after_forwar
                     cpu_offload: bool = False, bf16_params: bool = False) -> nn.Module:
     """Shard every block of the GPT, then the root (embeddings, final norm, tied head), in place."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        fully_shard,
+    )
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}

@@ -99,8 +99,13 @@ def parallelize_dtensor(model: GPT, mesh: DeviceMesh, sequence_parallel: bool = 
     or attention. With ``sequence_parallel`` the LayerNorms run on ``s/tp`` tokens each
     (``SequenceParallel``); the all-reduces become all-gathers and reduce-scatters of equal volume."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     tp = mesh.size()
     check_tp(tp, model.config)

@@ -9,10 +9,17 @@ import argparse
 
 from labkit.core.checks import fraction, positive_int, positive_number
 from labkit.core.cli import ArgumentParser
-from labkit.planning.choose import choose_strategy
+from labkit.memory.calculator import (
+    BYTES_PER_PARAM,
+    GB,
+    MODELS,
+    RECOMPUTE,
+    estimate_memory,
+    model_shape,
+)
 from labkit.planning.accelerators import ACCELERATORS
+from labkit.planning.choose import choose_strategy
 from labkit.planning.cost import price_run
-from labkit.memory.calculator import GB, MODELS, BYTES_PER_PARAM, RECOMPUTE, estimate_memory, model_shape
 
 
 def build_parser() -> argparse.ArgumentParser:

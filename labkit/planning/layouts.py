@@ -12,7 +12,13 @@ from dataclasses import dataclass
 
 from labkit.comm.ring import ring_bytes_per_rank
 from labkit.core.model import GPTConfig
-from labkit.memory.calculator import GB, MemoryEstimate, ModelShape, estimate_memory, model_shape
+from labkit.memory.calculator import (
+    GB,
+    MemoryEstimate,
+    ModelShape,
+    estimate_memory,
+    model_shape,
+)
 from labkit.parallel.pipeline_timeline import bubble_formula
 from labkit.parallel.tensor_parallel import comm_bytes_per_layer
 from labkit.planning.accelerators import accelerator, interconnect

@@ -117,19 +117,34 @@ def _configs(parser: argparse.ArgumentParser, args: dict) -> tuple[TrainConfig, 
         if args["corpus"] is not None and not Path(args["corpus"]).is_file():
             raise ValueError(f"corpus={args['corpus']!r} is not a file; pass the path of a text file, or leave "
                              "--corpus out for the shipped corpus")
+        for name, directory in (("checkpoint_dir", tc.checkpoint_dir), ("step_log", tc.step_log and
+                                 Path(tc.step_log).parent), ("metrics", args["metrics"] and Path(args["metrics"]).parent)):
+            if directory is not None:
+                _writable(name, Path(directory))
     except ValueError as e:
         parser.error(as_flags(str(e)))  # exits 2 with the message, as for any other bad flag
     return tc, mc
 
 
+def _writable(name: str, directory: Path) -> None:
+    """A ValueError naming the flag unless this process may create files in ``directory`` (made if missing)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError(f"no write permission on {directory}")
+    except OSError as e:
+        raise ValueError(f"{name}={str(directory)!r} is not a writable directory ({e.strerror or e}); pass a path "
+                         "where this process may create files") from None
+
+
 def as_flags(message: str) -> str:
     """A config error in the command line's words: ``batch_size must...`` -> ``--batch-size must...``."""
-    known = {f.name for f in (*fields(TrainConfig), *fields(GPTConfig))} | {"corpus"}
+    known = {f.name for f in (*fields(TrainConfig), *fields(GPTConfig))} | {"corpus", "metrics"}
 
     def flag(m: re.Match) -> str:
         return "--" + m.group(2).replace("_", "-") if m.group(2) in known else m.group(0)
 
-    return re.sub(r"\b(GPTConfig\.)?([a-z][a-z0-9_]*)\b(?==| must| has no effect| is not)", flag, message)
+    return re.sub(r"\b(GPTConfig\.)?([a-z][a-z0-9_]*)\b(?==| must| has no effect| is not|: )", flag, message)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from labkit.core.checks import non_negative_int, non_negative_number, one_of, positive_int, positive_number
+from labkit.core.checks import (
+    non_negative_int,
+    non_negative_number,
+    one_of,
+    positive_int,
+    positive_number,
+)
 from labkit.core.devices import DEVICE_TYPES, check_device
 from labkit.fault_tolerance.preemption import check_grace
 from labkit.parallel.activation_checkpointing import parse_policy

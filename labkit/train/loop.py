@@ -24,7 +24,12 @@ from tqdm import tqdm
 
 from labkit.comm.counter import CommCounter, ring_volume
 from labkit.core.data import get_batch, load_corpus, train_val_split
-from labkit.core.devices import current_device, gather_objects, rank_and_world, synchronize
+from labkit.core.devices import (
+    current_device,
+    gather_objects,
+    rank_and_world,
+    synchronize,
+)
 from labkit.core.model import GPT, GPTConfig, build_model
 from labkit.fault_tolerance.rng import seed_rngs
 from labkit.train.config import TrainConfig
@@ -55,7 +60,11 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     rank, world, device = plan.rank, plan.world, plan.device
     data = train_val_split(load_corpus(corpus)).train
 
-    seed_rngs(cfg.seed, rank)  # dropout's masks; a resume restores the states the checkpoint holds
+    # Dropout's masks; a resume restores the states the checkpoint holds. Seeded by the rank's share of
+    # the data, not by its rank: the ranks of a tensor-parallel group hold replicated activations and
+    # must draw the same masks (Megatron-LM keeps one seed per data-parallel rank for the same reason),
+    # or their copies of the replicated weights drift apart.
+    seed_rngs(cfg.seed, plan.data_rank)
     model = build_model(model_cfg, seed=cfg.seed).to(device)
     # Psi, before any strategy shards the parameters in place
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -65,7 +74,7 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
                 plan.make_scaler())
 
     meta = {"strategy": cfg.strategy, "world_size": world, "seed": cfg.seed, "batch_size": cfg.batch_size,
-            "model": model_cfg.to_dict(), "reshardable": not plan.spec.deepspeed}
+            "model": model_cfg.to_dict(), "reshardable": plan.spec.reshardable, "layout": plan.layout}
     engine = getattr(plan, "engine", None)
     ft = Resumable(cfg, meta, None if engine else plan.module, None if engine else plan.optimizer,
                    None if engine else plan.scheduler, engine, plan.scaler)

@@ -17,12 +17,21 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from labkit.core.data import check_shard
 from labkit.parallel import pipeline_parallel as pipe
 from labkit.parallel import tensor_parallel as tpar
 from labkit.parallel.activation_checkpointing import apply as apply_checkpointing
-from labkit.parallel.clipping import clip_grad_norm_, dtensor_groups, reduce_partial_grads
-from labkit.parallel.pipeline_timeline import ActivationMeter, Event, Timeline, bubble_formula, bubble_fraction
+from labkit.parallel.clipping import (
+    clip_grad_norm_,
+    dtensor_groups,
+    reduce_partial_grads,
+)
+from labkit.parallel.pipeline_timeline import (
+    ActivationMeter,
+    Event,
+    Timeline,
+    bubble_formula,
+    bubble_fraction,
+)
 from labkit.train.plans import Plan
 
 if TYPE_CHECKING:
@@ -48,6 +57,10 @@ class TensorParallelPlan(Plan):
     @property
     def dp(self) -> int:
         return self.world // self.tp
+
+    @property
+    def layout(self) -> str:
+        return f"tp={self.tp} dp={self.dp}"
 
     def check_run(self) -> None:
         tpar.check_tp(self.tp, self.model_cfg, self.world)
@@ -143,6 +156,10 @@ class PipelinePlan(Plan):
     @property
     def virtual(self) -> int:
         return pipe.VIRTUAL[self.cfg.pp_schedule]
+
+    @property
+    def layout(self) -> str:
+        return f"pp={self.pp} virtual={self.virtual}"
 
     def check_run(self) -> None:
         pipe.check_pp(self.pp, self.model_cfg.n_layer, self.cfg.microbatches, self.cfg.pp_schedule,

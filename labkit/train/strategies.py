@@ -12,9 +12,17 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from labkit.core.checks import one_of
+from labkit.train.deepspeed_plan import DeepSpeedPlan
 from labkit.train.model_parallel_plans import PipelinePlan, TensorParallelPlan
-from labkit.train.plans import (BucketedPlan, DDPPlan, DeepSpeedPlan, FSDPPlan, NaivePlan, Plan, SinglePlan,
-                                ZeroScratchPlan)
+from labkit.train.plans import (
+    BucketedPlan,
+    DDPPlan,
+    FSDPPlan,
+    NaivePlan,
+    Plan,
+    SinglePlan,
+    ZeroScratchPlan,
+)
 
 if TYPE_CHECKING:
     from labkit.train.config import TrainConfig
@@ -39,6 +47,8 @@ class Strategy:
     deepspeed: bool = False  # DeepSpeed wraps the model and owns backward and step
     teaching: bool = False  # written from scratch to teach; a test holds it against the library's version
     needs_group: bool = False  # collectives even on one rank: runs in a process group (a one-rank one is fine)
+    # Its checkpoints load into other strategies and world sizes (False: only as they were saved)
+    reshardable: bool = True
 
 
 _DS = "the same run on DeepSpeed (deepspeed.initialize with the client AdamW)"
@@ -55,26 +65,29 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              "parameters, gradients, optimizer states", 3, 3.0, FSDPPlan,
              options=("reshard_after_forward", "cpu_offload", "fsdp_bf16"), needs_group=True),
     Strategy("zero1", f"DeepSpeed ZeRO stage 1: {_DS}", "optimizer states", 1, 2.0, DeepSpeedPlan,
-             options=("offload_optimizer",), deepspeed=True, needs_group=True),
+             options=("offload_optimizer",), deepspeed=True, needs_group=True,
+             reshardable=False),
     Strategy("zero2", f"DeepSpeed ZeRO stage 2: {_DS}", "optimizer states, gradients", 2, 2.0, DeepSpeedPlan,
-             options=("offload_optimizer",), deepspeed=True, needs_group=True),
+             options=("offload_optimizer",), deepspeed=True, needs_group=True,
+             reshardable=False),
     Strategy("zero3", f"DeepSpeed ZeRO stage 3: {_DS}", "parameters, gradients, optimizer states", 3, 3.0,
-             DeepSpeedPlan, options=("offload_optimizer",), deepspeed=True, needs_group=True),
+             DeepSpeedPlan, options=("offload_optimizer",), deepspeed=True, needs_group=True,
+             reshardable=False),
     Strategy("zero1_scratch", "ZeRO-1 by hand: reduce-scatter, Adam on this rank's slice, all-gather",
              "optimizer states", 1, 2.0, ZeroScratchPlan, teaching=True,
              cannot_checkpoint="its sharded optimizer has no state_dict to save; use 'zero1' (DeepSpeed) or 'fsdp'"),
     Strategy("tp", "tensor parallel with DTensor (Megatron-LM's split); world/tp ranks of FSDP2 over it",
              "every weight matrix of a block (and, with dp > 1, all of it over dp)", 0, None, TensorParallelPlan,
-             options=("tp", "sequence_parallel")),
+             options=("tp", "sequence_parallel"), reshardable=False),
     Strategy("tp_scratch", "tensor parallel by hand: column/row-parallel layers with Megatron's f and g",
              "every weight matrix of a block", 0, None, TensorParallelPlan, options=("tp",), teaching=True,
              cannot_checkpoint="its shards are plain tensors, which DCP would take for replicas; use 'tp'"),
     Strategy("pp", "pipeline parallel with torch.distributed.pipelining: GPipe, 1F1B or interleaved 1F1B",
              "the layers (one stage per rank)", 0, None, PipelinePlan,
-             options=("pp", "microbatches", "pp_schedule"), grad_accum=False, needs_group=True),
+             options=("pp", "microbatches", "pp_schedule"), grad_accum=False, needs_group=True, reshardable=False),
     Strategy("pp_scratch", "pipeline parallel by hand: GPipe and 1F1B with paired send/recv",
              "the layers (one stage per rank)", 0, None, PipelinePlan,
-             options=("pp", "microbatches", "pp_schedule"), grad_accum=False, teaching=True),
+             options=("pp", "microbatches", "pp_schedule"), grad_accum=False, teaching=True, reshardable=False),
 )}
 # Options some strategies take and the others refuse: every strategy-specific TrainConfig field.
 OPTIONS = tuple(sorted({o for s in STRATEGIES.values() for o in s.options}))
@@ -92,10 +105,8 @@ def takes(option: str) -> list[str]:
 
 def check_config(cfg: TrainConfig) -> None:
     """What no run of this strategy can do, refused before anything starts (``TrainConfig`` calls it)."""
-    from labkit.train.config import TrainConfig
-
     s = strategy(cfg.strategy)
-    default = {f.name: f.default for f in fields(TrainConfig)}
+    default = {f.name: f.default for f in fields(cfg)}
     for option in OPTIONS:
         if getattr(cfg, option) != default[option] and option not in s.options:
             raise ValueError(f"{option}={getattr(cfg, option)!r} has no effect with strategy={s.name!r}; it "

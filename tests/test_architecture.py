@@ -1,0 +1,77 @@
+"""labkit's shape: layers a tool enforces, short modules and functions, and the book's map to the code."""
+import ast
+import configparser
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LABKIT = ROOT / "labkit"
+# Flat modules left at the top: the package's entry points and the old import paths the book and the
+# README taught, kept as one-line re-exports of their new homes.
+SHIMS = {"model.py": "labkit.core.model", "packing.py": "labkit.feeding.packing",
+         "activation_checkpointing.py": "labkit.parallel.activation_checkpointing"}
+MAX_MODULE_LINES = 300
+MAX_FUNCTION_LINES = 80
+
+
+def test_import_contract_holds_no_layer_imports_upward_and_no_cycles():
+    proc = subprocess.run([str(Path(sys.executable).parent / "lint-imports")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "BROKEN" not in proc.stdout and proc.stdout.count("KEPT") == 3
+
+
+def test_every_sub_package_sits_in_a_layer():
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / ".importlinter")
+    layered = set(re.findall(r"labkit\.(\w+)", cfg["importlinter:contract:layers"]["layers"]))
+    packages = {p.parent.name for p in LABKIT.glob("*/__init__.py")}
+    assert packages == layered, packages ^ layered
+    acyclic = set(re.findall(r"labkit\.(\w+)", cfg["importlinter:contract:acyclic"]["ancestors"]))
+    assert acyclic == packages
+
+
+def test_only_entry_points_and_old_import_paths_stay_flat():
+    flat = {p.name for p in LABKIT.glob("*.py")} - {"__init__.py", "__main__.py"}
+    assert flat == set(SHIMS), flat
+    for name, home in SHIMS.items():  # a docstring and one re-export
+        body = ast.parse((LABKIT / name).read_text()).body
+        assert len(body) == 2 and isinstance(body[0].value, ast.Constant), name
+        assert isinstance(body[1], ast.ImportFrom) and body[1].module == home, name
+
+
+def _modules():
+    return sorted(p for p in LABKIT.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(LABKIT)))
+def test_modules_and_functions_are_short(path):
+    src = path.read_text()
+    assert len(src.splitlines()) <= MAX_MODULE_LINES, f"{path.name}: {len(src.splitlines())} lines"
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n = node.end_lineno - node.lineno + 1
+            assert n <= MAX_FUNCTION_LINES, f"{path.name}:{node.lineno} {node.name}() is {n} lines"
+
+
+def test_readme_and_intro_map_every_chapter_to_its_lab_and_sub_package():
+    toc = (ROOT / "_toc.yml").read_text()
+    chapters = [c for c in re.findall(r"file: book/(\w+)\n", toc) if c not in ("intro",)]
+    labs = re.findall(r"file: book/labs/(\w+)", toc)
+    packages = {p.parent.name for p in LABKIT.glob("*/__init__.py")}
+    for doc in (ROOT / "README.md", ROOT / "book" / "intro.md"):
+        text = doc.read_text()
+        rows = [line for line in text.splitlines() if line.startswith("|") and "labkit." in line]
+        assert rows, f"{doc.name} has no chapter -> lab -> sub-package table"
+        for chapter in chapters:
+            if chapter in ("instructors",):
+                continue
+            assert any(chapter in r or chapter.replace("_", " ") in r.lower() for r in rows), (doc.name, chapter)
+        for lab in labs:
+            assert any(lab in r for r in rows), (doc.name, lab)
+        named = {m for r in rows for m in re.findall(r"labkit\.(\w+)", r)}
+        assert named <= packages | {"memory", "train"}, named - packages

@@ -1,0 +1,102 @@
+"""Every command line: a bad argument is one line naming it, and exit status 2; --help explains every flag."""
+import argparse
+import os
+import subprocess
+import sys
+from dataclasses import fields
+
+import pytest
+
+from labkit.core.model import GPTConfig
+from labkit.labs.cli import main as labs_main
+from labkit.planning.cli import main as memory_main
+from labkit.train.cli import build_parser, main as train_main
+from labkit.train.config import GROUPS, TrainConfig
+
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
+# One bad value per flag of `python -m labkit.train` (booleans take no value: given one, argparse refuses)
+BAD = {"strategy": "nosuch", "device": "tpu", "bucket_cap_mb": "0", "reshard_after_forward": "=1",
+       "cpu_offload": "=1", "fsdp_bf16": "=yes", "offload_optimizer": "=1", "tp": "-1", "sequence_parallel": "=1",
+       "pp": "x", "microbatches": "0", "pp_schedule": "zb", "steps": "0", "batch_size": "-8", "grad_accum": "0",
+       "lr": "-1", "weight_decay": "-0.1", "grad_clip": "nan", "lr_schedule": "linear", "warmup_steps": "-2",
+       "seed": "-1", "precision": "fp8", "activation_checkpointing": "every:0", "checkpoint_dir": "/proc/nosuch",
+       "save_every": "-5", "keep_last": "0", "async_save": "=1", "resume": "=0", "grace_s": "-30",
+       "reserve_s": "-1", "step_log": "/proc/nosuch/log.jsonl", "progress": "=1", "vocab_size": "0",
+       "block_size": "0", "n_layer": "-1", "n_head": "3", "n_embd": "0", "dropout": "1.5", "bias": "=0",
+       "corpus": "/no/such/file", "metrics": None}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _one_line_error(capsys, run, argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        run(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2, (argv, err)
+    assert len(err.splitlines()) == 1 and ": error: " in err and "Traceback" not in err, (argv, err)
+    return err
+
+
+def test_the_table_of_bad_values_covers_every_flag():
+    flags = {f.name for f in (*fields(TrainConfig), *fields(GPTConfig))} - {"return_params"} | {"corpus", "metrics"}
+    assert set(BAD) == flags
+
+
+@pytest.mark.parametrize("name", [n for n, v in BAD.items() if v is not None])
+def test_every_train_flag_with_a_bad_value_is_one_line_and_exit_2(capsys, name):
+    value = BAD[name]
+    argv = ["--steps", "1", _flag(name) + value] if value.startswith("=") else ["--steps", "1", _flag(name), value]
+    if name == "steps":
+        argv = [_flag(name), value]
+    err = _one_line_error(capsys, train_main, argv)
+    assert _flag(name) in err or "argument" in err, err  # it names the flag
+
+
+def test_every_train_flag_has_help_in_a_group():
+    p = build_parser()
+    titles = {g.title for g in p._action_groups}
+    assert set(GROUPS) | {"model (GPTConfig)"} <= titles
+    for action in p._actions:
+        if action.dest in ("help", "local_rank") or action.help == argparse.SUPPRESS:
+            continue
+        assert action.help and len(action.help) > 15, action.dest
+    text = p.format_help()
+    assert "strategies:" in text and "tp_scratch" in text and "[teaching]" in text
+
+
+@pytest.mark.parametrize("argv", [["--devices", "0"], ["--micro-batch", "-1"], ["--seq-len", "0"], ["--mfu", "2"],
+                                  ["--tokens", "-1"], ["--preemptions-per-day", "0"], ["--model", "gpt9"],
+                                  ["--device-type", "tpu"], ["--precision", "fp8"], ["--recompute", "half"]])
+def test_memory_cli_bad_values_are_one_line_before_any_output(capsys, argv):
+    _one_line_error(capsys, memory_main, argv)
+    assert capsys.readouterr().out == ""  # no half-printed table
+
+
+@pytest.mark.parametrize("argv", [["run", "nosuch"], ["run", "data_parallel", "--profile", "huge"],
+                                  ["flags", "data_parallel", "gpu", "--world-size", "0"], ["flags", "x", "gpu",
+                                                                                            "--world-size", "2"],
+                                  ["bogus"]])
+def test_lab_runner_bad_values_are_one_line(capsys, argv):
+    _one_line_error(capsys, labs_main, argv)
+
+
+def test_can_checkpoint_asks_the_registry(capsys):
+    assert train_main(["--strategy", "fsdp", "--can-checkpoint"]) == 0
+    assert capsys.readouterr().out.strip() == "yes"
+    assert train_main(["--strategy", "tp_scratch", "--can-checkpoint"]) == 0
+    assert capsys.readouterr().out.startswith("no: its shards are plain tensors")
+
+
+def test_fsdp_without_torchrun_runs_in_a_one_rank_group(tmp_path):
+    """What used to die with AttributeError ('GPT' object has no attribute 'set_requires_gradient_sync')."""
+    out = tmp_path / "m.json"
+    proc = subprocess.run([sys.executable, "-m", "labkit.train", "--strategy", "fsdp", "--steps", "2",
+                           "--block-size", "16", "--metrics", str(out)], env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    m = json.loads(out.read_text())
+    assert m["strategy"] == "fsdp" and m["world_size"] == 1 and len(m["loss"]) == 2
