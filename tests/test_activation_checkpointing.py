@@ -49,7 +49,7 @@ def test_selective_adds_at_most_5_percent_flops_and_saves_memory():
     assert sel["flops"] <= 1.05 * none["flops"]
     assert sel["saved_bytes"] < none["saved_bytes"]
     assert none["flops"] < full["flops"] <= 4 / 3 * none["flops"]  # at most one extra forward
-    assert full["saved_bytes"] < sel["saved_bytes"] and full["seconds"] > 0
+    assert full["saved_bytes"] < sel["saved_bytes"]
 
 
 @pytest.mark.parametrize("policy, match", [

@@ -14,6 +14,9 @@ def test_every_lab_has_profiles_and_a_parameters_cell():
 
     for name in list_labs():
         assert set(PROFILES[name]) >= {"cpu", "ci", "gpu"}, name
+        gpu, cpu = PROFILES[name]["gpu"], PROFILES[name]["cpu"]
+        if "device" in cpu:  # a lab that computes on a device has a real GPU profile, not the CPU one renamed
+            assert gpu["device"] == "cuda" and cpu["device"] == "cpu" and gpu is not cpu, name
         nb = jupytext.read(OUT_DIR.parent.parent / "labs" / f"{name}.md")
         params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
         assert len(params) == 1 and 'PROFILE = "cpu"' in params[0].source, name
@@ -24,9 +27,8 @@ def test_data_parallel_lab_metrics(lab_metrics):
     P = m["params"]
     assert m["profile"] == "ci" and P["world_size"] == 2 and P["device"] == "cpu"
     assert len(m["loss_single"]) == len(m["loss_ddp"]) == P["steps"]
-    assert m["max_loss_diff"] <= 1e-5  # the fp32 bar: equal within 1e-5 every step
     diffs = np.abs(np.array(m["loss_single"]) - np.array(m["loss_ddp"]))
-    assert diffs.max() == pytest.approx(m["max_loss_diff"])
+    assert (diffs <= 1e-5).all(), diffs  # the fp32 bar: equal within 1e-5 every step
     assert m["max_param_diff"] < 1e-4
     assert m["loss_single"][-1] < m["loss_single"][0] - 0.5
     assert all(d <= 1e-6 for d in m["hand_max_loss_diff"].values())
@@ -39,7 +41,7 @@ def test_data_parallel_lab_metrics(lab_metrics):
     for r in m["ring"]:
         assert r["bytes_sent"] == pytest.approx(r["formula_bytes"], rel=1e-12)
         assert r["max_abs_diff"] < 1e-5
-    assert all(v > 0 for v in m["median_step_ms"].values())
+    assert set(m["median_step_ms"]) == {"single", "ddp", "dp_naive", "dp_bucketed"}
 
 
 def test_memory_lab_metrics(lab_metrics):
@@ -258,7 +260,7 @@ def test_packing_lab_metrics(lab_metrics):
     assert eq["max_loss_diff"] < 1e-5 and eq["max_grad_diff"] < 1e-5 and eq["leak"] > 1e-2
     tr = m["training"]
     assert tr["random"]["padding"] > 0.3 and tr["packed"]["padding"] < 0.01
-    assert all(len(r["loss"]) == P["steps"] and r["real_per_s"] > 0 for r in tr.values())
+    assert all(len(r["loss"]) == P["steps"] and r["real_per_s"] <= r["slots_per_s"] for r in tr.values())
     assert tr["packed"]["real_tokens"] > 1.5 * tr["random"]["real_tokens"]  # same steps and rows, more data
     assert tr["packed"]["loss"][-1] < tr["packed"]["loss"][0] - 0.5
     for s in m["claim_sweep"].values():  # static padding is exactly 1 - mean / max_len
@@ -287,7 +289,7 @@ def test_fault_tolerance_lab_metrics(lab_metrics):
     # SIGTERM: the step finished, saved within the grace, exit 75, requeued: nothing redone
     assert term["steps_redone"] == 0 and term["resumed_from"] == term["last_done"]
     assert len(m["returncodes"]) == 2 and m["returncodes"][0] != 0 and m["returncodes"][-1] == 0
-    assert m["restarts"] == [0, 1] and all(r["restore_s"] > 0 for r in m["recovery"])
+    assert m["restarts"] == [0, 1] and all(r["restore_s"] < r["recovery_s"] for r in m["recovery"])
     # checkpoint costs: async blocks less than a sync save; XXH3 outruns SHA-256
     b = m["bench"]
     assert b["async"]["blocking_s"] < b["sync"]["total_s"] and b["sync"]["bytes"] > 1e7

@@ -244,6 +244,21 @@ def test_bf16_strategies_match_single_process_bf16_within_stated_tolerances():
     assert np.abs(ref - ref32).max() > 1e-5  # bf16 really ran: it is not fp32
 
 
+def test_fp16_with_loss_scaling_matches_one_process_or_is_refused():
+    """fp16 autocast with dynamic loss scaling on every torch strategy (CPU autocast runs fp16 too), the
+    ranks agreeing on each skipped step; the hand-written ZeRO-1, whose optimizer holds only a shard,
+    unscales the full gradients first. DeepSpeed's fp16 optimizer needs CUDA: refused on CPU."""
+    base = TrainConfig(steps=12, batch_size=8, precision="fp16", lr_schedule="cosine", warmup_steps=2)
+    ref = np.array(train(base, MODEL)["loss"])
+    names = ["ddp", "dp_bucketed", "fsdp", "zero1_scratch"]
+    out = launch(train_many, [replace(base, strategy=s) for s in names], MODEL, world_size=2, timeout=600)[0]
+    for name, r in zip(names, out):
+        assert np.abs(np.array(r["loss"]) - ref).max() < 2e-3, name  # 16-bit: test_bf16's bar
+    assert np.abs(ref - np.array(train(replace(base, precision="fp32"), MODEL)["loss"])).max() > 1e-5
+    with pytest.raises(ValueError, match=r"precision='fp16' with strategy='zero2' needs device='cuda'"):
+        replace(base, strategy="zero2")
+
+
 def test_offloading_to_the_cpu_trains_like_one_process():
     """FSDP2's CPUOffloadPolicy and DeepSpeed's ZeRO-Offload (optimizer states and step on the CPU)
     move where the states live, not what is computed: same losses and parameters as one process."""

@@ -41,9 +41,10 @@ class ZeroOneAdamW(torch.optim.Optimizer):
         self.shard = self.flat[self.rank * self.chunk:(self.rank + 1) * self.chunk]
         self.grad_clip = grad_clip
         self.inner = torch.optim.AdamW([self.shard], lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
-        super().__init__([self.shard], {"lr": lr})
+        # The groups hold the full parameters, whose .grad a loss scaler unscales before the step; the
+        # learning rate a schedule sets there reaches the inner AdamW at every step.
+        super().__init__(self.params, {"lr": lr})
         self.state = self.inner.state  # Adam's moments: for this rank's slice only
-        self.param_groups = self.inner.param_groups
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:
@@ -61,6 +62,7 @@ class ZeroOneAdamW(torch.optim.Optimizer):
             dist.all_reduce(sq)
             shard_grad *= torch.clamp(self.grad_clip / (sq.sqrt() + 1e-6), max=1.0)
         self.shard.grad = shard_grad
+        self.inner.param_groups[0]["lr"] = self.param_groups[0]["lr"]
         self.inner.step()
         self.shard.grad = None
         dist.all_gather_into_tensor(self.flat, self.shard.clone())  # everyone gets every slice

@@ -206,8 +206,8 @@ class PipelinePlan(Plan):
     def forward_backward(self, micros: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         (x, y), = micros
         self.timeline.start()
-        if self.scaler:
-            self.loss_scale = float(self.scaler.get_scale())
+        if self.scaler:  # the schedule computes the loss: scale it there (this also starts the scaler)
+            self.loss_scale = float(self.scaler.scale(torch.ones((), device=self.device)))
         mb_losses: list[torch.Tensor] = []
         with self.meter, self.autocast():
             if self.scratch:

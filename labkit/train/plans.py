@@ -103,13 +103,13 @@ class Plan:
 
     def make_scaler(self) -> torch.amp.GradScaler | None:
         """fp16's dynamic loss scaling; ranks must agree on skipping a step with inf/NaN gradients, so
-        several ranks use torch's ShardedGradScaler, which all-reduces that verdict."""
+        several ranks use :class:`labkit.parallel.loss_scaling.GradScaler`, which all-reduces that verdict."""
         if self.cfg.precision != "fp16":
             return None
         if self.world > 1:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+            from labkit.parallel.loss_scaling import GradScaler
 
-            return ShardedGradScaler(self.device.type)
+            return GradScaler(self.device.type)
         return torch.amp.GradScaler(self.device.type)
 
     def attach(self, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any) -> None:
