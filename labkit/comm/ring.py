@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.core.checks import positive_int
+from labkit.comm.p2p import exchange
 from labkit.core.devices import comm_device
 
 
@@ -23,43 +24,37 @@ def ring_bytes_per_rank(payload_bytes: int, world_size: int) -> float:
 def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> int:
     """Sum ``tensor`` over all ranks in place with the ring algorithm; return bytes this rank sent.
 
-    Written with point-to-point ``isend``/``recv`` only, for teaching; ``tests/`` hold it equal to
-    ``dist.all_reduce``.
+    Written with point-to-point messages only, for teaching; ``tests/`` hold it equal to
+    ``dist.all_reduce``. Each of the 2(N-1) steps sends one chunk to the next rank and receives one
+    from the previous as a single group (:func:`labkit.comm.p2p.exchange`): on two ranks both
+    neighbours are the same peer, and a send posted before its receive would wait forever under NCCL.
     """
     n = dist.get_world_size(group)
     rank = dist.get_rank(group)
     if n == 1:
         return 0
-    nxt, prv = (rank + 1) % n, (rank - 1) % n
     to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
-    flat = tensor.view(-1)
-    chunks = list(flat.tensor_split(n))
-    recv_buf = torch.empty_like(chunks[0]) if chunks[0].numel() else chunks[0]
+    nxt, prv = to_global((rank + 1) % n), to_global((rank - 1) % n)
+    chunks = list(tensor.view(-1).tensor_split(n))
+    recv_buf = torch.empty_like(chunks[0])
     sent = 0
 
-    def exchange(send_idx: int, recv_idx: int) -> torch.Tensor:
+    def step(send_idx: int, recv_idx: int) -> torch.Tensor:
         nonlocal sent
-        buf = recv_buf[: chunks[recv_idx].numel()]
-        out = chunks[send_idx]
-        # Empty chunks (tensor smaller than the ring) are skipped on both sides alike: the chunk
+        # Empty chunks (a tensor smaller than the ring) are skipped on both sides alike: the chunk
         # rank r receives is the chunk rank r-1 sends.
-        req = dist.isend(out.contiguous(), to_global(nxt), group=group) if out.numel() else None
-        if buf.numel():
-            dist.recv(buf, to_global(prv), group=group)
-        if req is not None:
-            req.wait()
+        buf, out = recv_buf[: chunks[recv_idx].numel()], chunks[send_idx].contiguous()
+        exchange([(out, nxt)], [(buf, prv)], group)
         sent += out.numel() * out.element_size()
         return buf
 
     # Reduce-scatter: after step s, rank r holds the partial sum of chunk (r - s - 1) over s+2 ranks;
     # after N-1 steps it owns the complete sum of chunk (r + 1) mod N.
     for s in range(n - 1):
-        send_idx, recv_idx = (rank - s) % n, (rank - s - 1) % n
-        chunks[recv_idx] += exchange(send_idx, recv_idx)
+        chunks[(rank - s - 1) % n] += step((rank - s) % n, (rank - s - 1) % n)
     # All-gather: pass the completed chunks around the ring.
     for s in range(n - 1):
-        send_idx, recv_idx = (rank + 1 - s) % n, (rank - s) % n
-        chunks[recv_idx].copy_(exchange(send_idx, recv_idx))
+        chunks[(rank - s) % n].copy_(step((rank + 1 - s) % n, (rank - s) % n))
     return sent
 
 

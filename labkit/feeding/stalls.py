@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from labkit.core.checks import non_negative_int, positive_int
+from labkit.core.checks import non_negative_int, one_of, positive_int
+from labkit.core.devices import DEVICE_TYPES
 from labkit.feeding.prefetch import batch_tensors, to_device
 
 # TensorFlow profiler, op_stats_to_input_pipeline_analysis.cc: 5% and 20% of step time.
@@ -221,8 +222,7 @@ def measure_stalls(
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={str(device)!r} is not supported; valid devices: ['cpu', 'cuda']")
+    one_of("device", dev.type if dev is not None else str(device), DEVICE_TYPES, "devices")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but CUDA is not available; use device='cpu'")
     cuda = dev.type == "cuda"

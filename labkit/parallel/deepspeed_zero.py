@@ -4,9 +4,9 @@ ZeRO (Rajbhandari et al. 2020) as DeepSpeed implements it: ``deepspeed.initializ
 GPT and the client ``torch.optim.AdamW`` (no fused-Adam build needed) with a generated config. The
 engine then owns backward, gradient clipping, the optimizer step and zeroing the gradients.
 
-On CPU DeepSpeed selects its CPU accelerator and gloo, and compiles a small shared-memory
-communication op the first time a process group starts (about a minute, needs g++); the build is
-cached in ``TORCH_EXTENSIONS_DIR``, which the Makefile points into ``_build/``.
+On CPU DeepSpeed selects its CPU accelerator and gloo. It would compile a shared-memory op when its
+process group starts (about a minute, g++); :func:`initialize` skips it, as ZeRO training never
+uses it.
 """
 from __future__ import annotations
 
@@ -84,13 +84,20 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict,
             "strategies zero1/zero2/zero3 need DeepSpeed: install the pinned requirements "
             "(make venv), or `DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8` "
             f"after torch ({e})") from None
+    if device.type == "cpu":
+        # On CPU, DeepSpeed compiles a shared-memory op when its group starts (40-60 s, needs g++); the
+        # op serves only its inference all-reduce (deepspeed/comm/torch.py, inference_all_reduce), and
+        # ZeRO training reduces through torch.distributed. Marked incompatible, it is never built.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     try:
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
                                    auto_mpi_discovery=False)
-    except Exception as e:  # the CPU comm op is compiled here on first use
+    except Exception as e:  # noqa: BLE001 - the message says what to check
         raise RuntimeError(
-            "DeepSpeed could not start its process group; on CPU it compiles a small C++ op at first "
-            "use: check that g++ is installed and TORCH_EXTENSIONS_DIR is writable "
+            "DeepSpeed could not start its process group: check that the ranks can reach each other and, "
+            "if DeepSpeed builds ops here, that g++ is installed and TORCH_EXTENSIONS_DIR is writable "
             f"({type(e).__name__}: {e})") from None
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, lr_scheduler=lr_scheduler)
     return engine

@@ -10,7 +10,7 @@ Interleaving ``v`` chunks of layers per rank divides the bubble by ``v`` (same p
 * The production path: ``torch.distributed.pipelining`` (PyTorch docs, "Pipeline Parallelism"):
   a :class:`TimedStage` (a ``PipelineStage`` that records when it computes) per stage and
   ``ScheduleGPipe``, ``Schedule1F1B`` or ``ScheduleInterleaved1F1B``.
-* For teaching, :func:`scratch_step`: the same two schedules with ``send``/``recv`` of
+* For teaching, :func:`scratch_step`: the same two schedules with paired sends and receives of
   activations forward and of their gradients backward, held against the production path.
 
 The first and last stages both hold the tied embedding / head matrix; like Megatron-LM's
@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from labkit.comm.p2p import exchange
 from labkit.core.checks import one_of, positive_int
 from labkit.core.model import GPT, GPTConfig
 from labkit.parallel.pipeline_timeline import Timeline
@@ -116,21 +117,25 @@ def scratch_step(stage: GPTStage, schedule: str, p: int, xs: list, ys: list, tim
                  act_shape: tuple, act_dtype: torch.dtype, group=None, loss_scale: float = 1.0) -> list[torch.Tensor]:
     """One step of the pipeline on this stage's rank, written with point-to-point messages.
 
-    Activations go to the next stage with ``isend`` (sends complete in the background, so a stage
-    runs ahead as far as the schedule lets it); their gradients come back the same way. The loss of
-    each microbatch is divided by ``m``: the step's gradient is that of the global-batch mean
-    (times ``loss_scale`` under fp16 loss scaling). Returns the last stage's microbatch losses.
+    Between two actions a stage sends what the last one produced (an activation to the next stage,
+    or a gradient to the previous) and receives what the next one needs, as one group
+    (:func:`labkit.comm.p2p.exchange`; Megatron-LM's ``send_forward_recv_backward`` and its
+    siblings). In 1F1B's steady state stage s sends activation k+1 while stage s+1 sends gradient k:
+    posted one after the other, both sends would wait for receives never posted under NCCL. The
+    loss of each microbatch is divided by ``m``: the step's gradient is that of the global-batch
+    mean (times ``loss_scale`` under fp16 loss scaling). Returns the last stage's microbatch losses.
     """
     s, m = stage.index, len(xs)
     peer = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
-    inputs, outputs, losses, pending = {}, {}, [], []
+    inputs, outputs, losses, sends = {}, {}, [], []
     for kind, i in schedule_order(schedule, p, s, m):
+        needs = None  # the activation (F) or the gradient (B) a neighbour must send first
+        if (kind == "F" and not stage.first) or (kind == "B" and not stage.last):
+            needs = torch.empty(act_shape, dtype=act_dtype, device=xs[i].device)
+        exchange(sends, [] if needs is None else [(needs, peer(s - 1 if kind == "F" else s + 1))], group)
+        sends = []
         if kind == "F":
-            x = xs[i]
-            if not stage.first:
-                x = torch.empty(act_shape, dtype=act_dtype, device=xs[i].device)
-                dist.recv(x, peer(s - 1), group=group)
-                x.requires_grad_()
+            x = xs[i] if stage.first else needs.requires_grad_()
             with timeline.record("F", i):
                 out = stage(x)
                 if stage.last:
@@ -138,25 +143,19 @@ def scratch_step(stage: GPTStage, schedule: str, p: int, xs: list, ys: list, tim
             if stage.last:
                 losses.append(out.detach())
             else:
-                send = out.detach()
-                pending.append((dist.isend(send, peer(s + 1), group=group), send))
+                sends.append((out.detach(), peer(s + 1)))
             inputs[i], outputs[i] = x, out
         else:
-            grad = None
-            if not stage.last:
-                grad = torch.empty(act_shape, dtype=act_dtype, device=xs[i].device)
-                dist.recv(grad, peer(s + 1), group=group)
             with timeline.record("B", i):
                 out = outputs.pop(i)
                 if stage.last:
                     (out / m if loss_scale == 1.0 else out * (loss_scale / m)).backward()
                 else:
-                    out.backward(grad)
+                    out.backward(needs)
             x = inputs.pop(i)
             if not stage.first:
-                pending.append((dist.isend(x.grad, peer(s - 1), group=group), x.grad))
-    for work, _ in pending:
-        work.wait()
+                sends.append((x.grad, peer(s - 1)))
+    exchange(sends, [], group)
     return losses
 
 
