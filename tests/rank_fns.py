@@ -123,3 +123,50 @@ def deepspeed_checkpoint_grads(policy: str) -> dict:
     except ValueError as e:
         out["error"] = str(e)
     return out
+
+
+def p2p_posts(what: str, **kw) -> list:
+    """The point-to-point operations this rank posts while running ``what`` (through the real calls)."""
+    from dataclasses import asdict
+
+    from labkit.comm.p2p import P2PRecorder
+
+    with P2PRecorder() as rec:
+        if what == "ring":
+            from labkit.comm.ring import ring_all_reduce
+
+            ring_all_reduce(torch.ones(kw["numel"]))
+        else:
+            from labkit.core.model import GPTConfig
+            from labkit.train import TrainConfig, train
+
+            train(TrainConfig(strategy="pp_scratch", steps=1, batch_size=2 * kw["m"], microbatches=kw["m"],
+                              pp_schedule=kw["schedule"]), GPTConfig(block_size=8, n_layer=4, n_embd=16))
+    return [asdict(o) for o in rec.ops]
+
+
+def counted_collectives() -> dict:
+    """What CommCounter records for functional and coalesced collectives (8 floats, or 2 x 4, per rank)."""
+    import torch.distributed._functional_collectives as fc
+
+    from labkit.comm.counter import CommCounter
+
+    out = {}
+    calls = {"functional all-gather": lambda: fc.all_gather_tensor(torch.ones(8), 0, dist.group.WORLD),
+             "functional reduce-scatter": lambda: fc.reduce_scatter_tensor(torch.ones(8), "sum", 0, dist.group.WORLD),
+             "coalesced all-reduce": lambda: dist.all_reduce_coalesced([torch.ones(4), torch.ones(4)])}
+
+    def coalesced(op):
+        def run():
+            with dist._coalescing_manager():
+                for _ in range(2):
+                    op()
+        return run
+
+    calls["coalesced all-gather"] = coalesced(lambda: dist.all_gather_into_tensor(torch.empty(8), torch.ones(4)))
+    calls["coalesced reduce-scatter"] = coalesced(lambda: dist.reduce_scatter_tensor(torch.empty(4), torch.ones(8)))
+    for name, call in calls.items():
+        with CommCounter() as c:
+            call()
+        out[name] = dict(c.bytes)
+    return out

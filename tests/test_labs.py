@@ -152,7 +152,7 @@ def test_unknown_profile_lab_and_override_are_named(tmp_path):
 
 
 def test_gpu_profile_is_a_real_cluster_run_not_the_cpu_one_renamed(monkeypatch):
-    import labkit.labs.profiles as labs
+    import labkit.labs.resolve as labs
 
     monkeypatch.setattr(labs, "_gpu_count", lambda: 0)
     with pytest.raises(ValueError, match="needs CUDA GPUs and found none"):

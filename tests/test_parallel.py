@@ -98,3 +98,16 @@ def test_ring_formula_values():
     assert ring_bytes_per_rank(100, 4) == 150
     with pytest.raises(ValueError, match="world_size"):
         ring_bytes_per_rank(100, 0)
+
+
+def test_functional_and_coalesced_collectives_are_counted_whole():
+    """The payload is the whole tensor a collective works on (the ZeRO paper's Psi), whatever API issued it:
+    a functional all-gather is handed its shard but gathers the whole; coalesced calls count under the
+    plain names, so the ring model weighs them (they once counted under names it did not know: zero)."""
+    from labkit.comm.counter import ring_volume
+
+    got = launch(rank_fns.counted_collectives, world_size=2)[0]
+    assert got == {"functional all-gather": {"allgather_base": 64}, "functional reduce-scatter": {"reduce_scatter_base": 32},
+                   "coalesced all-reduce": {"allreduce": 32}, "coalesced all-gather": {"allgather_base": 64},
+                   "coalesced reduce-scatter": {"reduce_scatter_base": 64}}
+    assert ring_volume(got["coalesced all-gather"], 2) == 32 and ring_volume(got["coalesced all-reduce"], 2) == 32

@@ -62,8 +62,13 @@ class CommCounter(TorchDispatchMode):
     # autograd: ops in these namespaces that move no data (counting them would double the bytes).
     NO_DATA = ("wait_tensor", "wrap_tensor_autograd")
     # The functional collectives under the c10d names that ring_volume and the labs use.
+    # Coalesced forms (several tensors in one call, as FSDP2 and bucketed reductions issue them) count
+    # under the plain names, so the ring model weighs them too.
     C10D_NAME = {"all_reduce": "allreduce", "all_gather_into_tensor": "allgather_base",
-                 "reduce_scatter_tensor": "reduce_scatter_base"}
+                 "reduce_scatter_tensor": "reduce_scatter_base", "all_reduce_coalesced": "allreduce",
+                 "allreduce_coalesced": "allreduce", "all_gather_into_tensor_coalesced": "allgather_base",
+                 "allgather_into_tensor_coalesced": "allgather_base",
+                 "reduce_scatter_tensor_coalesced": "reduce_scatter_base"}
 
     def __init__(self) -> None:
         super().__init__()
@@ -71,13 +76,16 @@ class CommCounter(TorchDispatchMode):
         self.calls: dict[str, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         if func.namespace in self.NAMESPACES:
-            name = func._schema.name.split("::")[-1].rstrip("_").lstrip("_")
-            if name not in self.NO_DATA:
-                name = self.C10D_NAME.get(name, name)
+            raw = func._schema.name.split("::")[-1].rstrip("_").lstrip("_")
+            if raw not in self.NO_DATA:
+                name = self.C10D_NAME.get(raw, raw)
                 self.calls[name] += 1
-                self.bytes[name] += _payload_bytes(name, args)
-        return func(*args, **(kwargs or {}))
+                # A functional all-gather is handed its input shard: its payload is what it returns
+                gathered = func.namespace == "_c10d_functional" and raw.startswith("all_gather")
+                self.bytes[name] += _tensor_bytes(out) if gathered else _payload_bytes(name, args)
+        return out
 
     @property
     def total_bytes(self) -> int:

@@ -15,7 +15,7 @@ to it, so an order that works on gloo and hangs on GPUs fails on CPU.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,14 +34,14 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tens
             work.wait()
 
 
-@dataclass
+@dataclass(eq=False)  # an operation is itself: two sends of the same size to the same peer are not one
 class Op:
     kind: str  # "send" | "recv"
     peer: int
     numel: int
     group: int | None  # operations posted together (one batch_isend_irecv) share a number
     blocking: bool  # the host waits for it before posting anything else
-    done: bool = field(default=False, compare=False)
+    done: bool = False
 
 
 class P2PRecorder:
@@ -107,10 +107,13 @@ def deadlock(posts: dict[int, list[Op]]) -> str | None:
     progress = True
     while progress:
         progress = False
-        for r, ops in posts.items():  # post until blocked
+        for r, ops in posts.items():  # post until blocked; a group is posted whole
             while pc[r] < len(ops) and not waiting(r):
-                streams[(r, ops[pc[r]].peer)].append(ops[pc[r]])
-                pc[r] += 1
+                first = ops[pc[r]]
+                while pc[r] < len(ops) and (ops[pc[r]] is first or (first.group is not None
+                                                                      and ops[pc[r]].group == first.group)):
+                    streams[(r, ops[pc[r]].peer)].append(ops[pc[r]])
+                    pc[r] += 1
                 progress = True
         for (a, b), out in list(streams.items()):  # match sends a -> b with receives at b from a
             sends = [o for o in out if o.kind == "send"]

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from labkit.core.checks import positive_int
 from labkit.comm.p2p import exchange
+from labkit.core.checks import positive_int
 from labkit.core.devices import comm_device
 
 

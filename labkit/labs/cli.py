@@ -7,7 +7,8 @@ from pathlib import Path
 
 from labkit.core.checks import positive_int
 from labkit.core.cli import ArgumentParser
-from labkit.labs.profiles import PROFILES, train_flags
+from labkit.labs.profiles import PROFILES
+from labkit.labs.resolve import resolve, train_flags
 from labkit.labs.runner import OUT_DIR, check_lab, list_labs, run_lab
 
 
@@ -19,6 +20,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--profile", default="ci", help="cpu, ci or gpu")
     r.add_argument("--out", type=Path, default=OUT_DIR)
     r.add_argument("--force", action="store_true", help="re-run even when nothing changed")
+    rs = sub.add_parser("resolve", help="print, as JSON, the parameters a lab runs with under a profile "
+                        "(a gpu profile fitted to --gpus N; nothing looks for GPUs)")
+    rs.add_argument("lab")
+    rs.add_argument("profile")
+    rs.add_argument("--gpus", type=int, default=None, help="GPUs to plan a gpu profile for (default: those found)")
     sub.add_parser("list", help="list the labs")
     sub.add_parser("profiles", help="print every lab's profiles")
     f = sub.add_parser("flags", help="print the labkit.train flags of a lab's profile (for batch scripts)")
@@ -30,6 +36,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             positive_int("--world-size", args.world_size)
             print(" ".join(train_flags(args.lab, args.profile, args.world_size)))
+        except ValueError as e:
+            ap.error(str(e))
+        return 0
+    if args.cmd == "resolve":
+        try:
+            if args.gpus is not None:
+                positive_int("--gpus", args.gpus)
+            print(json.dumps(resolve(args.lab, args.profile, gpus=args.gpus), indent=1))
         except ValueError as e:
             ap.error(str(e))
         return 0

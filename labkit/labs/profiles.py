@@ -1,9 +1,14 @@
 """Every lab's named parameter sets: ``cpu`` (a 2-core laptop), ``ci`` (the regression runs and the
-book) and ``gpu`` (one GPU per rank, a node's worth), and how a profile becomes a lab's parameters.
+book) and ``gpu`` (one GPU per rank, a node's worth). :mod:`labkit.labs.resolve` turns a profile into
+a lab's parameters (a ``gpu`` profile fitted to the GPUs there are).
+
+The ``gpu`` profiles train the GPT at GPT-2 small's shape (12 layers, 12 heads, 768 wide, context
+1024): with the byte vocabulary of 256 that is 85.9 M parameters, not GPT-2's 124 M, whose 50,257-token
+vocabulary adds 38 M in the embedding. Values a GPU count decides: ``"all"`` (every GPU),
+``"8 per rank"`` (a global batch growing with the ranks), ``"2..world_size"`` and ``"1..world_size"``
+(a sweep of rank counts).
 """
 from __future__ import annotations
-
-from labkit.core.checks import positive_int
 
 # One entry per lab; "cpu" must equal the defaults a reader sees in the lab's parameters cell.
 PROFILES: dict[str, dict[str, dict]] = {
@@ -16,7 +21,7 @@ PROFILES: dict[str, dict[str, dict]] = {
         "ci": dict(device="cpu", world_size=2, steps=20, batch_size=8, lr=1e-3, seed=0, n_layer=2, n_head=4,
                    n_embd=64, block_size=32, comm_batch_sizes=[4, 8, 16], degrees=[1, 2, 4], sweep_steps=3,
                    steps_2d=4, bw_model="llama2-70b", bw_tp=8, bw_micro_batch=1, bw_device="h100-80gb", bw_mfu=0.5),
-        # GPT-2 small (124 M, 12 heads) at context 1024 on 4 GPUs: TP 1/2/4 and a 2 x 2 FSDP x TP mesh.
+        # GPT-2 small's shape at context 1024 on up to 4 GPUs: TP 1/2/4 and a 2 x 2 FSDP x TP mesh.
         "gpu": dict(device="cuda", world_size=4, steps=100, batch_size=8, lr=6e-4, seed=0, n_layer=12, n_head=12,
                     n_embd=768, block_size=1024, comm_batch_sizes=[2, 4, 8], degrees=[1, 2, 4], sweep_steps=10,
                     steps_2d=50, bw_model="llama2-70b", bw_tp=8, bw_micro_batch=1, bw_device="h100-80gb", bw_mfu=0.5),
@@ -30,7 +35,7 @@ PROFILES: dict[str, dict[str, dict]] = {
                    n_embd=64, block_size=32, microbatches=4, t_n_layer=4, t_n_embd=128, t_n_head=4, t_block_size=64,
                    mb_rows=2, bubble_ms=[1, 4, 8], bubble_steps=3, mem_pp=4, mem_microbatches=8,
                    plan_model="gpt3-175b", plan_devices=1024, plan_global_batch=1536, plan_device_gb=80.0),
-        # GPT-2 small at context 1024, one stage per GPU on 4 GPUs.
+        # GPT-2 small's shape at context 1024, one stage per GPU on up to 4 GPUs.
         "gpu": dict(device="cuda", world_size=4, steps=100, batch_size=32, lr=6e-4, seed=0, n_layer=12, n_head=12,
                     n_embd=768, block_size=1024, microbatches=8, t_n_layer=12, t_n_embd=768, t_n_head=12,
                     t_block_size=1024, mb_rows=2, bubble_ms=[1, 2, 4, 8, 16, 32], bubble_steps=10, mem_pp=4,
@@ -44,7 +49,7 @@ PROFILES: dict[str, dict[str, dict]] = {
         "ci": dict(device="cpu", world_size=2, steps=15, batch_size=8, lr=3e-3, seed=0,
                    n_layer=2, n_head=2, n_embd=64, block_size=32, bucket_cap_mb=0.1,
                    ring_world_sizes=[2, 3], ring_numel=1 << 16, loss_tol=1e-5),
-        # GPT-2 small (124 M parameters) at context 1024, one GPU per rank, every GPU of the node.
+        # GPT-2 small's shape at context 1024, one GPU per rank, every GPU of the node.
         "gpu": dict(device="cuda", world_size="all", steps=200, batch_size="8 per rank", lr=6e-4,
                     seed=0, n_layer=12, n_head=12, n_embd=768, block_size=1024, bucket_cap_mb=25.0,
                     ring_world_sizes="2..world_size", ring_numel=1 << 26, loss_tol=1e-3),
@@ -54,7 +59,7 @@ PROFILES: dict[str, dict[str, dict]] = {
                     micro_batch=8, mp_steps=60, mp_batch_size=16, mp_lr=1e-3, fake_7b_ranks=8, seed=0),
         "ci": dict(device="cpu", sizes=[[2, 64, 2], [2, 128, 4], [3, 192, 6]], block_size=64,
                    micro_batch=4, mp_steps=30, mp_batch_size=8, mp_lr=1e-3, fake_7b_ranks=8, seed=0),
-        # GPT-2 small to large at context 1024 on one GPU, with the CUDA allocator's peak too.
+        # GPT-2 small's to large's shapes at context 1024 on one GPU, with the CUDA allocator's peak too.
         "gpu": dict(device="cuda", sizes=[[12, 768, 12], [24, 1024, 16], [36, 1280, 20]], block_size=1024,
                     micro_batch=8, mp_steps=300, mp_batch_size=16, mp_lr=3e-4, fake_7b_ranks=8, seed=0),
     },
@@ -76,9 +81,9 @@ PROFILES: dict[str, dict[str, dict]] = {
         "ci": dict(device="cpu", world_size=2, steps=20, batch_size=8, lr=3e-3, seed=0, n_layer=2, n_head=2,
                    n_embd=64, block_size=32, sweep_world_sizes=[1, 2, 4], sweep_steps=2, grad_accum=2,
                    claim_model="llama2-7b", claim_world_sizes=[4, 8, 64]),
-        # GPT-2 small at context 1024, one GPU per rank on every GPU of the node.
+        # GPT-2 small's shape at context 1024, one GPU per rank on every GPU of the node.
         "gpu": dict(device="cuda", world_size="all", steps=100, batch_size="8 per rank", lr=6e-4, seed=0,
-                    n_layer=12, n_head=12, n_embd=768, block_size=1024, sweep_world_sizes="2..world_size",
+                    n_layer=12, n_head=12, n_embd=768, block_size=1024, sweep_world_sizes="1..world_size",
                     sweep_steps=5, grad_accum=2, claim_model="llama2-7b", claim_world_sizes=[4, 8, 64]),
     },
     "strategy_cost": {
@@ -103,7 +108,7 @@ PROFILES: dict[str, dict[str, dict]] = {
                    prefetch_factors=[1, 8], setup_ms=200.0, epochs=3, epoch_batches=4, straggler_steps=6,
                    slow_io_ms=6.0,
                    copy_mb=0),
-        # GPT-2 small at context 1024 on one GPU (two for the straggler), per-sample costs scaled to
+        # GPT-2 small's shape at context 1024 on one GPU (two for the straggler), per-sample costs scaled to
         # its ~100 ms step; copy_mb: a batch large enough (images, say) for pinning to matter.
         "gpu": dict(device="cuda", threads=None, seed=0, n_layer=12, n_head=12, n_embd=768, block_size=1024,
                     batch_size=8, steps=40, synth_load_ms=80.0, synth_compute_ms=50.0, synth_steps=16,
@@ -120,7 +125,7 @@ PROFILES: dict[str, dict[str, dict]] = {
         "ci": dict(device="cpu", capacity=256, batch_size=8, megabatch=50, steps=20, warmup=2, lr=3e-3,
                    n_layer=2, n_head=2, n_embd=64, article_n=20_000, article_min=50, article_max=512,
                    article_batch=32, article_medians=[10, 25, 50, 80, 120, 200, 300], bench_n=20_000, seed=0),
-        # GPT-2 small at context 1024 on one GPU: the rows a real run would pack.
+        # GPT-2 small's shape at context 1024 on one GPU: the rows a real run would pack.
         "gpu": dict(device="cuda", capacity=1024, batch_size=8, megabatch=50, steps=100, warmup=10, lr=6e-4,
                     n_layer=12, n_head=12, n_embd=768, article_n=1_000_000, article_min=50, article_max=512,
                     article_batch=32, article_medians=[10, 25, 50, 80, 120, 200, 300], bench_n=200_000, seed=0),
@@ -139,60 +144,8 @@ PROFILES["fault_tolerance"] = {
     "ci": dict(device="cpu", world_size=2, strategy="fsdp", steps=16, batch_size=8, lr=3e-3, seed=0, n_layer=2,
                n_head=2, n_embd=64, block_size=32, dropout=0.1, save_every=4, async_save=True, grace_s=30, fault_seed=0,
                bench_n_layer=4, bench_n_embd=256, bench_n_head=4, bench_repeats=5, **_SPOT),
-    # GPT-2 small at context 1024, one GPU per rank; the benchmark stages 124 M parameters and Adam from the GPU.
+    # GPT-2 small's shape at context 1024, one GPU per rank; the benchmark stages 86 M parameters and Adam from the GPU.
     "gpu": dict(device="cuda", world_size="all", strategy="fsdp", steps=200, batch_size="8 per rank", lr=6e-4, seed=0,
                 n_layer=12, n_head=12, n_embd=768, block_size=1024, dropout=0.1, save_every=20, async_save=True,
                 grace_s=30, fault_seed=0, bench_n_layer=12, bench_n_embd=768, bench_n_head=12, bench_repeats=3, **_SPOT),
 }
-
-
-def _gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _profile(lab: str, profile: str) -> dict:
-    """A copy of ``lab``'s ``profile``, or a ValueError listing what exists."""
-    if lab not in PROFILES:
-        raise ValueError(f"lab={lab!r} has no profiles; labs with profiles: {sorted(PROFILES)}")
-    if profile not in PROFILES[lab]:
-        raise ValueError(f"PROFILE={profile!r} is unknown for lab {lab!r}; valid profiles: {list(PROFILES[lab])}")
-    return dict(PROFILES[lab][profile])
-
-
-def _per_rank_batch(p: dict, world_size: int | None) -> None:
-    if p.get("batch_size") == "8 per rank":  # the gpu profiles scale the global batch with the ranks
-        p["batch_size"] = 8 * world_size
-
-
-def resolve(lab: str, profile: str = "cpu", **overrides) -> dict:
-    """The parameters of ``lab`` under ``profile``, with ``overrides`` applied; clear errors otherwise."""
-    p = _profile(lab, profile)
-    unknown = set(overrides) - set(p)
-    if unknown:
-        raise ValueError(f"OVERRIDES has unknown keys {sorted(unknown)}; valid keys: {sorted(p)}")
-    if p.get("device") == "cuda" and "device" not in overrides:
-        n = _gpu_count()
-        if n == 0:
-            raise ValueError(f"PROFILE={profile!r} needs CUDA GPUs and found none; use PROFILE='cpu' or 'ci'")
-        if p.get("world_size") == "all":
-            p["world_size"] = n
-    _per_rank_batch(p, p.get("world_size"))
-    for key in ("ring_world_sizes", "sweep_world_sizes"):
-        if p.get(key) == "2..world_size":
-            p[key] = sorted({2, *range(4, p["world_size"] + 1, 4), p["world_size"]} - {1})
-    p.update(overrides)
-    return p
-
-
-def train_flags(lab: str, profile: str, world_size: int) -> list[str]:
-    """The ``python -m labkit.train`` flags a lab profile sets (model shape, batch, steps, lr, seed...),
-    for batch scripts that train at a lab's size. Device and world size are the scheduler's to say,
-    so they are left out, and nothing here looks for GPUs (a login node has none)."""
-    from labkit.train.cli import flags_from
-
-    p = _profile(lab, profile)
-    positive_int("world_size", world_size)
-    _per_rank_batch(p, world_size)
-    return flags_from({k: v for k, v in p.items() if k not in ("device", "world_size")})

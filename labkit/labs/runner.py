@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from labkit.labs.profiles import resolve
+from labkit.labs.resolve import resolve
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 LABS_DIR = ROOT / "labs"

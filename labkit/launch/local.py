@@ -75,6 +75,19 @@ def _check_importable(fn: Callable) -> None:
         )
 
 
+def _free_cached_gpu_memory(device: str) -> None:
+    # A notebook that trained a single-process reference keeps its cached blocks on GPU 0, which
+    # rank 0 then shares: give them back to the driver before the ranks start (and say so).
+    if device != "cuda" or not torch.cuda.is_initialized():
+        return
+    gc.collect()
+    before = torch.cuda.memory_reserved()
+    torch.cuda.empty_cache()
+    freed = before - torch.cuda.memory_reserved()
+    if freed:
+        print(f"[launch] released {freed / 2**20:,.0f} MiB of this process's cached GPU memory for the ranks")
+
+
 def _eager(device: str, local_rank: int) -> dict:
     # NCCL communicators are built at init, bound to this rank's GPU, rather than lazily at the
     # first collective (PyTorch docs, init_process_group's device_id): a bad GPU fails here.
@@ -90,6 +103,9 @@ def launch_local(fn: Callable[..., Any], *args: Any, world_size: int = 2, device
     check_device(device, world_size)
     _check_importable(fn)
     positive_number("timeout", timeout)
+    _free_cached_gpu_memory(device)
+    where = f"GPUs 0-{world_size - 1} (NCCL)" if device == "cuda" else "CPU processes (gloo)"
+    print(f"[launch] {getattr(fn, '__name__', 'fn')} on {world_size} rank(s): {where}", flush=True)
     ctx = mp.get_context("spawn")
     # The caller hosts the rendezvous store on a port the OS picks (port=0): no fixed MASTER_PORT,
     # so parallel launches never collide and there is no pick-then-bind race.

@@ -109,25 +109,50 @@ class _Held:
 
 
 class Timeline:
-    """F and B events of one stage, per step; ``start()`` at the common start of every step."""
+    """F and B events of one stage, per step; ``start()`` at the common start of every step.
+
+    On CUDA the kernels run asynchronously: each event is bracketed by CUDA events recorded on the
+    stream (no synchronisation, which would serialise what the schedule overlaps) and the times are
+    read once the step is over, in :meth:`finish`.
+    """
 
     def __init__(self, stage: int, device: torch.device | None = None, meter: ActivationMeter | None = None) -> None:
         self.stage, self.meter = stage, meter
-        self.cuda = device is not None and device.type == "cuda"  # kernels are async: sync to time them
+        self.cuda = device is not None and device.type == "cuda"
         self.steps: list[list[Event]] = []
         self.t0 = 0.0
         self._live_at_f = 0
+        self._cuda_marks: list[tuple[Event, object, object]] = []
+        self._cuda_t0 = None
 
     def start(self) -> None:
         self.t0 = time.perf_counter()
         self.steps.append([])
+        if self.cuda:
+            self._cuda_t0 = self._mark()
+            self._cuda_marks = []
         if self.meter is not None:
             self.meter.reset_peak()
 
+    @staticmethod
+    def _mark():
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def finish(self) -> None:
+        """On CUDA, wait for the step's kernels once and turn the recorded marks into seconds."""
+        if not self._cuda_marks:
+            return
+        torch.cuda.synchronize()
+        for event, begin, end in self._cuda_marks:
+            event.start = self._cuda_t0.elapsed_time(begin) / 1e3
+            event.end = self._cuda_t0.elapsed_time(end) / 1e3
+        self._cuda_marks = []
+
     @contextmanager
     def record(self, kind: str, mb: int) -> Iterator[None]:
-        if self.cuda:
-            torch.cuda.synchronize()
+        begin = self._mark() if self.cuda else None
         live = self.meter.live if self.meter is not None else 0
         events = self.steps[-1]
         if events and events[-1].kind == "F" and self.meter is not None:
@@ -137,9 +162,9 @@ class Timeline:
         self._live_at_f = live
         t = time.perf_counter() - self.t0
         yield
-        if self.cuda:
-            torch.cuda.synchronize()
         events.append(Event(self.stage, kind, mb, t, time.perf_counter() - self.t0))
+        if self.cuda:
+            self._cuda_marks.append((events[-1], begin, self._mark()))
 
 
 def bubble_fraction(events: list[Event]) -> float:

@@ -14,20 +14,51 @@ from labkit.core.checks import one_of
 class Accelerator:
     name: str
     memory_gb: float
-    peak_bf16_tflops: float  # dense, no sparsity
+    # Datasheet peak TFLOP/s of dense math (no 2:4 sparsity), by the dtype the matmuls run in.
+    peak_tflops: dict
     price_on_demand: float  # USD per device-hour: an assumption, override it
     price_spot: float
     source: str
 
+    @property
+    def peak_bf16_tflops(self) -> float:
+        return self.peak_tflops["bf16"]
 
-# Peak figures are the vendors' datasheet numbers (dense BF16 tensor core). Prices are
-# assumptions typical of public cloud list prices per GPU-hour in 2024-2025; pass your own.
+
+def _peaks(bf16: float, tf32: float, fp32: float, fp16: float | None = None) -> dict:
+    return {"bf16": bf16, "fp16": bf16 if fp16 is None else fp16, "tf32": tf32, "fp32": fp32}
+
+
+# Vendors' datasheets, dense figures (the sparse ones are twice these). Prices: assumptions typical of
+# public cloud list prices per GPU-hour in 2024-2026; pass your own.
 ACCELERATORS = {
-    "a100-80gb": Accelerator("NVIDIA A100 80GB SXM", 80, 312, 4.10, 1.60,
-                        "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16"),
-    "h100-80gb": Accelerator("NVIDIA H100 80GB SXM", 80, 989, 6.90, 2.80,
-                        "NVIDIA H100 datasheet: 989 TFLOP/s dense BF16"),
+    "a100-40gb": Accelerator("NVIDIA A100 40GB SXM", 40, _peaks(312, 156, 19.5), 3.00, 1.20,
+                             "NVIDIA A100 datasheet (2021): BF16/FP16 312, TF32 156, FP32 19.5 TFLOP/s dense"),
+    "a100-80gb": Accelerator("NVIDIA A100 80GB SXM", 80, _peaks(312, 156, 19.5), 4.10, 1.60,
+                             "NVIDIA A100 datasheet (2021): BF16/FP16 312, TF32 156, FP32 19.5 TFLOP/s dense"),
+    "h100-80gb": Accelerator("NVIDIA H100 80GB SXM", 80, _peaks(989, 495, 67), 6.90, 2.80,
+                             "NVIDIA H100 datasheet: BF16/FP16 989, TF32 495, FP32 67 TFLOP/s dense (SXM5)"),
+    "h200": Accelerator("NVIDIA H200 141GB SXM", 141, _peaks(989, 495, 67), 8.50, 3.50,
+                        "NVIDIA H200 datasheet: BF16/FP16 989, TF32 495, FP32 67 TFLOP/s dense (SXM)"),
+    "l4": Accelerator("NVIDIA L4 24GB", 24, _peaks(121, 60, 30.3), 0.80, 0.30,
+                      "NVIDIA L4 datasheet: BF16/FP16 121, TF32 60, FP32 30.3 TFLOP/s dense"),
+    "l40s": Accelerator("NVIDIA L40S 48GB", 48, _peaks(362, 183, 91.6), 2.00, 0.80,
+                        "NVIDIA L40S datasheet: BF16/FP16 362, TF32 183, FP32 91.6 TFLOP/s dense"),
+    "mi300x": Accelerator("AMD Instinct MI300X 192GB", 192, _peaks(1307, 654, 163), 6.00, 2.50,
+                          "AMD MI300X datasheet: BF16/FP16 1307, TF32 654, FP32 163 TFLOP/s dense (matrix)"),
 }
+
+
+def from_device_name(name: str) -> str | None:
+    """The table's key for a CUDA device name (``torch.cuda.get_device_name()``), or None."""
+    n = name.upper()
+    for key, needle in (("h200", "H200"), ("h100-80gb", "H100"), ("l40s", "L40S"), ("l4", "L4"),
+                        ("mi300x", "MI300X")):
+        if needle in n:
+            return key
+    if "A100" in n:
+        return "a100-40gb" if "40GB" in n.replace(" ", "") else "a100-80gb"
+    return None
 
 
 def accelerator(name: str) -> Accelerator:

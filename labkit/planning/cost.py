@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from labkit.core.checks import positive_int, positive_number
+from labkit.core.checks import one_of, positive_int, positive_number
 from labkit.planning.accelerators import accelerator
 
 HOURS_PER_DAY = 24.0
@@ -34,6 +34,28 @@ def training_flops(n_params: float, tokens: float, recompute: str = "none") -> f
         raise ValueError(f"recompute={recompute!r} is unknown; valid modes: ['none', 'selective', 'full']")
     # Selective recomputation redoes only the attention-score ops, a few percent at most.
     return (8.0 if recompute == "full" else 6.0) * n * d
+
+
+def flops_per_token(n_layer: int, hidden: int, seq_len: int, vocab: int, causal: bool = True,
+                    recompute: str = "none") -> float:
+    """Training FLOPs per token of a GPT: model FLOPs by default, hardware FLOPs with ``recompute``.
+
+    Model FLOPs (Chowdhery et al. 2022, appendix B, the ``6N + 12LHQT`` of MFU): 6 per weight of
+    every matrix multiply, N = 12 L h^2 in the blocks plus the V h of the head (2 forward, 4
+    backward; Kaplan et al. 2020); and the attention scores and their weighted sum, 12 L s h for
+    full attention. A causal model computes half the score matrix with causal kernels (FlashAttention,
+    Dao et al. 2022), so ``causal`` counts 6 L s h; PaLM and torchtitan count the full 12. With
+    ``recompute="full"`` every block's forward runs again in backward: hardware FLOPs (HFU) add one
+    forward, 2 N_blocks + 2 L s h (causal), the "8ND" of Korthikanti et al. 2022 section 5.
+    """
+    one_of("recompute", recompute, ("none", "selective", "full"), "modes")
+    L, h, s, V = (positive_int(k, v) for k, v in (("n_layer", n_layer), ("hidden", hidden), ("seq_len", seq_len),
+                                                  ("vocab", vocab)))
+    attention = (6 if causal else 12) * L * s * h
+    flops = 6 * (12 * L * h * h + V * h) + attention
+    if recompute == "full":
+        flops += 2 * 12 * L * h * h + attention / 3
+    return float(flops)
 
 
 def training_hours(flops: float, n_devices: int, peak_tflops: float, mfu: float) -> float:

@@ -21,6 +21,7 @@ from labkit.core.devices import DEVICE_TYPES, check_device
 from labkit.fault_tolerance.preemption import check_grace
 from labkit.parallel.activation_checkpointing import parse_policy
 from labkit.parallel.pipeline_parallel import PP_SCHEDULES
+from labkit.train.instruments import parse_steps
 from labkit.train.lr_schedule import LR_SCHEDULES
 
 # How the loop computes (Micikevicius et al. 2018): fp32 throughout; bf16 or fp16 autocast with fp32
@@ -70,6 +71,9 @@ class TrainConfig:
                         "(fp16 adds loss scaling)", TRAIN_PRECISIONS)
     activation_checkpointing: str = _f("none", "precision and memory", "recompute in backward: none, full, "
                                        "every:k (every k-th block) or selective (op level)")
+    tf32: bool = _f(False, "precision and memory", "cuda: fp32 matmuls on tensor cores in TF32 (10-bit mantissa)")
+    deterministic: bool = _f(False, "precision and memory", "deterministic algorithms only (and cuBLAS's fixed "
+                             "workspace): bit-exact reruns and resumes on GPUs too, at some speed")
     checkpoint_dir: str | None = _f(None, "checkpointing and preemption", "save checkpoints here and resume from "
                                     "the newest good one (labkit.fault_tolerance)")
     save_every: int = _f(0, "checkpointing and preemption", "steps between checkpoints; 0: only at the end and on "
@@ -87,6 +91,16 @@ class TrainConfig:
                               "(rank 0)")
     progress: bool | None = _f(None, "output", "a progress bar (default: on a terminal, for runs of 50 steps "
                                "or more)")
+    count_comm: str = _f("auto", "output", "count every collective's bytes: on every step, on the last only (the "
+                         "others timed without the counter), or none; auto: every on CPU, last on CUDA",
+                         ("auto", "every", "last", "none"))
+    peak_tflops: float = _f(0.0, "output", "peak TFLOP/s of one device for MFU (0: the datasheet's, on a GPU the "
+                            "table knows; on a CPU no MFU)")
+    profile_steps: str = _f("", "output", "record steps A to B-1 with torch.profiler ('A:B'): one Chrome trace "
+                            "per rank in --profile-dir, for Perfetto")
+    profile_dir: str = _f("profile", "output", "where --profile-steps writes its traces")
+    memory_snapshot: str | None = _f(None, "output", "cuda: record the allocator's history and write it to "
+                                     "PATH.rank<r>.pickle for PyTorch's memory visualizer")
     return_params: bool = field(default=False, metadata={"group": None, "help": "return the full parameters "
                                                          "(gathered on every rank); not a CLI flag"})
 
@@ -110,6 +124,13 @@ class TrainConfig:
         except ValueError as e:
             raise ValueError(f"activation_checkpointing: {e}") from None
         check_grace(self.grace_s, self.reserve_s)
+        one_of("count_comm", self.count_comm, ("auto", "every", "last", "none"), "modes")
+        non_negative_number("peak_tflops", self.peak_tflops)
+        if self.profile_steps:
+            parse_steps(self.profile_steps, self.steps)
+        for name in ("tf32", "memory_snapshot"):
+            if getattr(self, name) and self.device != "cuda":
+                raise ValueError(f"{name} needs device='cuda' (a CUDA feature); leave it out on the CPU")
         check_config(self)  # what the chosen strategy takes, refuses, or cannot do
 
 

@@ -2,6 +2,7 @@
 zeroing and the schedule, so the plan hands it the micro-batches and reads what it holds."""
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -71,9 +72,9 @@ class DeepSpeedPlan(Plan):
             # buffers, so it stays inside the timed step
             self._states = model_states(engine)
 
-        with CommCounter() as fb:  # DeepSpeed's step is interleaved with its backward
+        with CommCounter() if self.counting else nullcontext() as fb:  # DeepSpeed steps inside its backward
             loss = train_step(self.engine, self.split(x, y), after_first_backward=measure)
-        self.fwd_bwd_comm.append(dict(fb.bytes))
+        self.fwd_bwd_comm.append(dict(fb.bytes) if self.counting else None)
         return loss
 
     def model_states(self) -> ModelStates:

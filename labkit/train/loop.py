@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -32,6 +34,7 @@ from labkit.core.devices import (
 )
 from labkit.core.model import GPT, GPTConfig, build_model
 from labkit.fault_tolerance.rng import seed_rngs
+from labkit.train import instruments
 from labkit.train.config import TrainConfig
 from labkit.train.lr_schedule import lr_scheduler
 from labkit.train.plans import Plan
@@ -53,13 +56,57 @@ def make_plan(cfg: TrainConfig, model_cfg: GPTConfig) -> Plan:
     return plan
 
 
+class _Record:
+    """What the loop keeps of every step it runs on this rank."""
+
+    def __init__(self, count_comm: str, device: torch.device, steps: int) -> None:
+        self.mode = count_comm if count_comm != "auto" else ("last" if device.type == "cuda" else "every")
+        self.steps = steps
+        self.times, self.timed, self.comm, self.calls, self.held, self.local = [], [], [], [], [], []
+
+    def counted(self, step: int) -> bool:
+        """Whether ``step`` runs under the collective counter (its Python dispatch costs time)."""
+        return self.mode == "every" or (self.mode == "last" and step == self.steps - 1)
+
+    def rank_figures(self, rank: int, world: int, states: Any, plan: Plan) -> dict:
+        def per_step(f):
+            return [f(b) if b is not None else None for b in self.comm]
+
+        return {"rank": rank, "step_time_s": self.times, "step_timed_without_counter": self.timed,
+                "allreduce_bytes_per_step": per_step(lambda b: b.get("allreduce", 0)),
+                "allreduce_calls_per_step": [c.get("allreduce", 0) if c is not None else None for c in self.calls],
+                "comm_bytes_per_step": self.comm, "comm_calls_per_step": self.calls,
+                "comm_volume_per_step": per_step(lambda b: ring_volume(b, world)),
+                "model_state_bytes": asdict(states) | {"total": states.total} if states else None,
+                "model_state_bytes_per_step": self.held, "local_loss": self.local,
+                "peak_memory_bytes": instruments.peak_memory(plan.device), **plan.rank_figures()}
+
+
+def _step(plan: Plan, rec: _Record, step: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One timed (and, when due, counted) step; this rank's mean loss."""
+    counted = rec.counted(step)
+    plan.counting = counted
+    plan.before_step()
+    synchronize(plan.device)
+    t0 = time.perf_counter()
+    with CommCounter() if counted else nullcontext() as counter:
+        local = plan.step(x, y)
+    synchronize(plan.device)
+    rec.times.append(time.perf_counter() - t0)
+    rec.timed.append(not counted)
+    rec.comm.append(dict(counter.bytes) if counted else None)
+    rec.calls.append(dict(counter.calls) if counted else None)
+    plan.after_step()
+    return local
+
+
 def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | None = None) -> dict:
     """Train on this process's rank (or alone); return losses, timings and per-rank figures."""
     model_cfg = model_cfg or GPTConfig()
     plan = make_plan(cfg, model_cfg)
     rank, world, device = plan.rank, plan.world, plan.device
     data = train_val_split(load_corpus(corpus)).train
-
+    instruments.set_up(cfg, device)
     # Dropout's masks; a resume restores the states the checkpoint holds. Seeded by the rank's share of
     # the data, not by its rank: the ranks of a tensor-parallel group hold replicated activations and
     # must draw the same masks (Megatron-LM keeps one seed per data-parallel rank for the same reason),
@@ -72,7 +119,6 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     optimizer = plan.make_optimizer()
     plan.attach(optimizer, lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, cfg.steps),
                 plan.make_scaler())
-
     meta = {"strategy": cfg.strategy, "world_size": world, "seed": cfg.seed, "batch_size": cfg.batch_size,
             "model": model_cfg.to_dict(), "reshardable": plan.spec.reshardable, "layout": plan.layout}
     engine = getattr(plan, "engine", None)
@@ -82,53 +128,40 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     show = cfg.progress if cfg.progress is not None else (sys.stderr.isatty() and cfg.steps >= 50)
     bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.strategy} x{world}", disable=not show or rank != 0,
                mininterval=1.0)
-    times, comm_by_op, calls_by_op, held, local_losses = [], [], [], [], []
-    states = None
+    rec, states = _Record(cfg.count_comm, device, cfg.steps), None
     try:
-        for step in range(start, cfg.steps):
-            x, y = (t.to(device) for t in get_batch(data, step, cfg.batch_size, model_cfg.block_size, cfg.seed,
-                                                      plan.data_rank, plan.data_world))
-            plan.before_step()
-            synchronize(device)
-            t0 = time.perf_counter()
-            with CommCounter() as counter:
-                local = plan.step(x, y)
-            synchronize(device)
-            times.append(time.perf_counter() - t0)
-            plan.after_step()
-            states = plan.model_states()  # counted outside the timed step, before the gradients are freed
-            held.append(states.total)
-            plan.zero_grad()
-            comm_by_op.append(dict(counter.bytes))
-            calls_by_op.append(dict(counter.calls))
-            mine_loss, global_loss = torch.stack([local, plan.global_loss(local)]).tolist()  # one device sync
-            local_losses.append(mine_loss)
-            losses.append(global_loss)
-            bar.update()
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
-            if ft.end_of_step(step + 1, losses):  # preempted: saved (if there was time); stop here
-                break
+        with instruments.StepProfiler(cfg, device, rank) as profiler:
+            for step in range(start, cfg.steps):
+                x, y = (t.to(device) for t in get_batch(data, step, cfg.batch_size, model_cfg.block_size, cfg.seed,
+                                                          plan.data_rank, plan.data_world))
+                with profiler.step(step):
+                    local = _step(plan, rec, step, x, y)
+                profiler.after(step)
+                states = plan.model_states()  # counted outside the timed step, before the gradients are freed
+                rec.held.append(states.total)
+                plan.zero_grad()
+                mine_loss, global_loss = torch.stack([local, plan.global_loss(local)]).tolist()  # one sync
+                rec.local.append(mine_loss)
+                losses.append(global_loss)
+                bar.update()
+                bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+                if ft.end_of_step(step + 1, losses):  # preempted: saved (if there was time); stop here
+                    break
     except BaseException:
         ft.abort()  # SIGTERM must stop a failed rank again, or torchrun waits out its grace period
         raise
     bar.close()
     faults = ft.finish()
-
-    mine = {"rank": rank, "step_time_s": times,
-            "allreduce_bytes_per_step": [b.get("allreduce", 0) for b in comm_by_op],
-            "allreduce_calls_per_step": [c.get("allreduce", 0) for c in calls_by_op],
-            "comm_bytes_per_step": comm_by_op, "comm_calls_per_step": calls_by_op,
-            "comm_volume_per_step": [ring_volume(b, world) for b in comm_by_op],
-            "model_state_bytes": asdict(states) | {"total": states.total} if states else None,
-            "model_state_bytes_per_step": held, "local_loss": local_losses, **plan.rank_figures()}
-    ranks = gather_objects(mine)
+    instruments.finish(cfg, device, rank)
+    ranks = gather_objects(rec.rank_figures(rank, world, states, plan))
     n_params = GPT.count_params(model_cfg)
     result = {
         "strategy": cfg.strategy, "world_size": world, "device": cfg.device, "steps": cfg.steps,
         "precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
         "seed": cfg.seed, "batch_size": cfg.batch_size, "model": model_cfg.to_dict(), "n_params": n_params,
-        "grad_bytes": grad_bytes, "loss": losses, "step_time_s": times, "ranks": ranks, "start_step": start,
-        **faults, "predicted_model_state_bytes": plan.predicted_model_states(n_params), **plan.result_fields(ranks),
+        "grad_bytes": grad_bytes, "loss": losses, "step_time_s": rec.times, "ranks": ranks, "start_step": start,
+        "comm_counted": rec.mode, **faults, **instruments.speed(cfg, model_cfg, device, world, rec.times, rec.timed),
+        "predicted_model_state_bytes": plan.predicted_model_states(n_params), **plan.result_fields(ranks),
     }
     if cfg.return_params:  # sharded parameters are gathered (a collective: every rank calls it)
         result["params"] = plan.full_state_dict()

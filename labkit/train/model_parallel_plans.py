@@ -237,6 +237,7 @@ class PipelinePlan(Plan):
             dist.barrier()  # the common start of the step's timeline
 
     def after_step(self) -> None:
+        self.timeline.finish()
         self.peaks.append(self.meter.peak)
 
     def clip(self, max_norm: float) -> None:

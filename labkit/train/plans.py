@@ -49,7 +49,8 @@ class Plan:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.scaler: torch.amp.GradScaler | None = None
-        self.fwd_bwd_comm: list[dict[str, int]] = []  # collectives of forward + backward only, per step
+        self.fwd_bwd_comm: list[dict[str, int] | None] = []  # collectives of forward + backward only, per step
+        self.counting = True  # whether this step's collectives are counted (the loop says, per step)
 
     # -- what can run, checked before anything starts --
     @classmethod
@@ -155,9 +156,9 @@ class Plan:
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One optimizer step on this rank's rows; returns this rank's mean loss."""
-        with CommCounter() as fb:
+        with CommCounter() if self.counting else nullcontext() as fb:
             loss = self.forward_backward(self.split(x, y))
-        self.fwd_bwd_comm.append(dict(fb.bytes))
+        self.fwd_bwd_comm.append(dict(fb.bytes) if self.counting else None)
         self.finish_backward()
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones

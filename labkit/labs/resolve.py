@@ -1,0 +1,113 @@
+"""A lab's profile made concrete: overrides applied, and a ``gpu`` profile fitted to the GPUs there are.
+
+A ``gpu`` profile is written for a node; :func:`fit_to_gpus` makes it run on 1, 2, 4 or 8 GPUs:
+every world size, sweep and degree is clamped to what exists (tensor-parallel degrees to what
+divides the heads, pipeline stages to what the layers allow), and ``multi_rank`` tells a lab
+whether its parts that need two ranks or more can run (the lab then says which it skipped).
+``python -m labkit resolve LAB gpu --gpus N`` prints the result without looking for GPUs.
+"""
+from __future__ import annotations
+
+from labkit.core.checks import positive_int
+from labkit.labs.profiles import PROFILES
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _profile(lab: str, profile: str) -> dict:
+    """A copy of ``lab``'s ``profile``, or a ValueError listing what exists."""
+    if lab not in PROFILES:
+        raise ValueError(f"lab={lab!r} has no profiles; labs with profiles: {sorted(PROFILES)}")
+    if profile not in PROFILES[lab]:
+        raise ValueError(f"PROFILE={profile!r} is unknown for lab {lab!r}; valid profiles: {list(PROFILES[lab])}")
+    return dict(PROFILES[lab][profile])
+
+
+def _per_rank_batch(p: dict, world_size: int | None) -> None:
+    if p.get("batch_size") == "8 per rank":  # the gpu profiles scale the global batch with the ranks
+        p["batch_size"] = 8 * world_size
+
+
+def _rank_counts(n: int) -> list[int]:
+    """Rank counts of a sweep on ``n`` GPUs: 2, then every multiple of 4, then ``n`` itself."""
+    return sorted({k for k in (2, *range(4, n + 1, 4), n) if 2 <= k <= n})
+
+
+# Labs that are about splitting one model over ranks: below this many GPUs, their gpu profile runs
+# the cpu profile on CPU processes instead (and says so), rather than pretend on one GPU.
+MIN_GPUS = {"tensor_parallel": 2, "pipeline_parallel": 2}
+
+
+def fit_to_gpus(lab: str, p: dict, n: int) -> dict:
+    """``p`` (a profile of ``lab``) fitted to ``n`` GPUs: nothing in it asks for more than ``n``."""
+    positive_int("gpus", n)
+    if n < MIN_GPUS.get(lab, 1):
+        p.clear()
+        p.update(_profile(lab, "cpu"), gpus=n, multi_rank=True,
+                 note=f"{lab} needs {MIN_GPUS[lab]} GPUs and this run has {n}: it runs the cpu profile on "
+                      "CPU processes instead")
+        return p
+    p["gpus"] = n
+    if p.get("world_size") == "all":
+        p["world_size"] = n
+    for key in ("ring_world_sizes", "sweep_world_sizes"):
+        if p.get(key) in ("1..world_size", "2..world_size"):
+            p[key] = ([1] if p[key].startswith("1") else []) + _rank_counts(n)
+    if lab == "tensor_parallel":  # degrees that divide the heads, on GPUs that exist
+        p["degrees"] = [d for d in p["degrees"] if d <= n and p["n_head"] % d == 0]
+        p["world_size"] = max(p["degrees"])
+    if lab == "pipeline_parallel":  # stages that exist; two layer chunks each when interleaved
+        fits = [k for k in range(1, n + 1) if p["n_layer"] >= 2 * k and p["microbatches"] >= k]
+        p["world_size"] = min(p["world_size"], max(fits))
+        p["mem_pp"] = min(p["mem_pp"], max(k for k in fits if p["mem_microbatches"] >= k))
+    if isinstance(p.get("world_size"), int):
+        p["world_size"] = min(p["world_size"], n)
+        p["multi_rank"] = p["world_size"] >= 2
+    return p
+
+
+def can_run(p: dict, ranks: int, what: str) -> bool:
+    """Whether a part of a lab that needs ``ranks`` ranks runs under parameters ``p``; when it does not
+    (a ``gpu`` profile on fewer GPUs), say so in the lab's output."""
+    if p.get("device") != "cuda" or p.get("gpus", ranks) >= ranks:
+        return True
+    print(f"[{what}] needs {ranks} GPUs and this run has {p['gpus']}: skipped")
+    return False
+
+
+def resolve(lab: str, profile: str = "cpu", gpus: int | None = None, **overrides) -> dict:
+    """The parameters of ``lab`` under ``profile``, with ``overrides`` applied; clear errors otherwise.
+
+    A ``gpu`` profile is fitted to ``gpus`` GPUs, or to the GPUs this machine has when ``gpus`` is None
+    (an error when it has none, unless ``overrides`` moves the lab to another device)."""
+    p = _profile(lab, profile)
+    unknown = set(overrides) - set(p)
+    if unknown:
+        raise ValueError(f"OVERRIDES has unknown keys {sorted(unknown)}; valid keys: {sorted(p)}")
+    if p.get("device") == "cuda":
+        n = gpus if gpus is not None else _gpu_count()
+        if n == 0 and "device" not in overrides:
+            raise ValueError(f"PROFILE={profile!r} needs CUDA GPUs and found none; use PROFILE='cpu' or 'ci', "
+                             "or GPUS=N to plan for N GPUs")
+        fit_to_gpus(lab, p, n or 1)
+    elif isinstance(p.get("world_size"), int):
+        p["multi_rank"] = p["world_size"] >= 2
+    _per_rank_batch(p, p.get("world_size"))
+    p.update(overrides)
+    return p
+
+
+def train_flags(lab: str, profile: str, world_size: int) -> list[str]:
+    """The ``python -m labkit.train`` flags a lab profile sets (model shape, batch, steps, lr, seed...),
+    for batch scripts that train at a lab's size. Device and world size are the scheduler's to say,
+    so they are left out, and nothing here looks for GPUs (a login node has none)."""
+    from labkit.train.cli import flags_from
+
+    p = _profile(lab, profile)
+    positive_int("world_size", world_size)
+    _per_rank_batch(p, world_size)
+    return flags_from({k: v for k, v in p.items() if k not in ("device", "world_size")})
