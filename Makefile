@@ -14,7 +14,7 @@ BUILD := _build
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(BUILD)/torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help venv labs lab book test serve lab-ui assignments clean
+.PHONY: help venv labs lab book test serve lab-ui assignments gpu-check clean
 
 help:
 	@echo "make book              set up .venv, execute every lab (PROFILE=$(PROFILE)), build the HTML book"
@@ -23,6 +23,7 @@ help:
 	@echo "make lab-ui            open the labs in JupyterLab"
 	@echo "make assignments       nbgrader student notebooks of the labs' exercises in course/release/"
 	@echo "make serve             serve the built book on http://127.0.0.1:8000"
+	@echo "make gpu-check         on a GPU node: every strategy, precision, MFU and lab; report in $(BUILD)/gpu_check/"
 
 # Installs only when requirements.txt or pyproject.toml changed. torch goes first and DeepSpeed is
 # built without isolation against it (DS_BUILD_OPS=0: no CUDA ops compiled at install time).
@@ -62,6 +63,12 @@ lab-ui: $(STAMP)
 # The graded exercises at the end of every lab, as nbgrader assignments (book/instructors.md).
 assignments: $(STAMP)
 	$(PY) -m labkit.assignments
+
+# On a GPU node or hub image: no set-up, so it runs where CUDA torch is installed and no registry is
+# reachable (.venv's Python when there is one, else python3 with labkit on the path).
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m labkit.gpu_check $(ARGS)
 
 clean:
 	rm -rf $(BUILD) book/labs

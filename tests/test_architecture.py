@@ -35,8 +35,15 @@ def test_every_sub_package_sits_in_a_layer():
     assert acyclic == packages
 
 
+# Entry points by module name (python -m labkit.X), each calling one sub-package's main
+ENTRY_POINTS = {"gpu_check.py": "labkit.labs.gpu_check"}
+
+
 def test_only_entry_points_and_old_import_paths_stay_flat():
-    flat = {p.name for p in LABKIT.glob("*.py")} - {"__init__.py", "__main__.py"}
+    flat = {p.name for p in LABKIT.glob("*.py")} - {"__init__.py", "__main__.py", *ENTRY_POINTS}
+    for name, home in ENTRY_POINTS.items():
+        imports = [n for n in ast.parse((LABKIT / name).read_text()).body if isinstance(n, ast.ImportFrom)]
+        assert [n.module for n in imports] == [home], name
     assert flat == set(SHIMS), flat
     for name, home in SHIMS.items():  # a docstring and one re-export
         body = ast.parse((LABKIT / name).read_text()).body

@@ -261,7 +261,9 @@ def measure_stalls(
         t3 = time.perf_counter()
         tokens, useful = count_tokens(batch, pad_id)
         copy = max(t2 - t1, copy_dev) if cuda else 0.0
-        records.append(StepRecord(t0 - t_origin, t1 - t0, copy, t3 - t2, t3 - t_origin, tokens, useful))
+        # The phases partition the step: whatever is neither waiting nor copying is the step's own
+        # time (a rank descheduled between two clock reads still spent that time on this step).
+        records.append(StepRecord(t0 - t_origin, t1 - t0, copy, t3 - t1 - copy, t3 - t_origin, tokens, useful))
         bar.update()
     bar.close()
     if steps is not None and len(records) < steps:

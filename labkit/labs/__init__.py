@@ -1,14 +1,14 @@
 """The course tooling: lab profiles, the papermill lab runner, graded exercises.
 
 * :mod:`labkit.labs.profiles`: every lab's ``cpu``, ``ci`` and ``gpu`` parameters.
-* :mod:`labkit.labs.resolve`: a profile made concrete (:func:`resolve`), a ``gpu`` one fitted to N GPUs.
+* :mod:`labkit.labs.parameters`: a profile made concrete (:func:`resolve`), a ``gpu`` one fitted to N GPUs.
 * :mod:`labkit.labs.runner`: execute a lab notebook under a profile (skipped when nothing changed).
 * :mod:`labkit.labs.assignments`: nbgrader assignments from the labs' exercise cells.
 * :mod:`labkit.labs.grading`: what the autograder cells use to run a student's code.
 * :mod:`labkit.labs.cli`: ``python -m labkit``.
 """
 from labkit.labs.profiles import PROFILES
-from labkit.labs.resolve import can_run, fit_to_gpus, resolve, train_flags
+from labkit.labs.parameters import can_run, fit_to_gpus, resolve, train_flags
 from labkit.labs.runner import LABS_DIR, OUT_DIR, ROOT, list_labs, run_lab
 
 __all__ = ["LABS_DIR", "OUT_DIR", "PROFILES", "ROOT", "can_run", "fit_to_gpus", "list_labs", "main", "resolve", "run_lab",

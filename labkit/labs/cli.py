@@ -8,7 +8,7 @@ from pathlib import Path
 from labkit.core.checks import positive_int
 from labkit.core.cli import ArgumentParser
 from labkit.labs.profiles import PROFILES
-from labkit.labs.resolve import resolve, train_flags
+from labkit.labs.parameters import resolve, train_flags
 from labkit.labs.runner import OUT_DIR, check_lab, list_labs, run_lab
 
 
@@ -20,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--profile", default="ci", help="cpu, ci or gpu")
     r.add_argument("--out", type=Path, default=OUT_DIR)
     r.add_argument("--force", action="store_true", help="re-run even when nothing changed")
+    r.add_argument("--gpus", type=int, default=None, help="GPUs to fit a gpu profile to (default: those found)")
+    r.add_argument("--as-script", action="store_true", help="run the lab's cells in order without Jupyter "
+                   "(for machines without papermill or a kernel); writes the metrics JSON only")
     rs = sub.add_parser("resolve", help="print, as JSON, the parameters a lab runs with under a profile "
                         "(a gpu profile fitted to --gpus N; nothing looks for GPUs)")
     rs.add_argument("lab")
@@ -55,14 +58,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     names = args.labs or list_labs()
     try:
+        if args.gpus is not None:
+            positive_int("--gpus", args.gpus)
         for name in names:  # a bad lab or profile is an argument error, before any lab runs
-            check_lab(name, args.profile)
+            check_lab(name, args.profile, gpus=args.gpus)
     except ValueError as e:
         ap.error(str(e))
     try:
         for name in names:
-            run_lab(name, args.profile, args.out, args.force)
-    except RuntimeError as e:  # a lab failed: not the caller's argument
+            run_lab(name, args.profile, args.out, args.force, gpus=args.gpus, as_script=args.as_script)
+    except RuntimeError as e:  # a lab failed, or needs a missing package: not the caller's argument
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -1,5 +1,5 @@
 """Every lab's named parameter sets: ``cpu`` (a 2-core laptop), ``ci`` (the regression runs and the
-book) and ``gpu`` (one GPU per rank, a node's worth). :mod:`labkit.labs.resolve` turns a profile into
+book) and ``gpu`` (one GPU per rank, a node's worth). :mod:`labkit.labs.parameters` turns a profile into
 a lab's parameters (a ``gpu`` profile fitted to the GPUs there are).
 
 The ``gpu`` profiles train the GPT at GPT-2 small's shape (12 layers, 12 heads, 768 wide, context
@@ -148,4 +148,18 @@ PROFILES["fault_tolerance"] = {
     "gpu": dict(device="cuda", world_size="all", strategy="fsdp", steps=200, batch_size="8 per rank", lr=6e-4, seed=0,
                 n_layer=12, n_head=12, n_embd=768, block_size=1024, dropout=0.1, save_every=20, async_save=True,
                 grace_s=30, fault_seed=0, bench_n_layer=12, bench_n_embd=768, bench_n_head=12, bench_repeats=3, **_SPOT),
+}
+
+# `make gpu-check` runs every lab's gpu profile with these overrides: the same code paths in a few
+# steps, so that the whole check fits in minutes on one GPU (the shapes stay the gpu profile's).
+GPU_CHECK: dict[str, dict] = {
+    "tensor_parallel": dict(steps=6, sweep_steps=3, steps_2d=4, comm_batch_sizes=[2, 4]),
+    "pipeline_parallel": dict(steps=6, bubble_steps=3, bubble_ms=[1, 8]),
+    "data_parallel": dict(steps=8, ring_numel=1 << 22),
+    "memory": dict(mp_steps=20, sizes=[[12, 768, 12], [24, 1024, 16]]),
+    "activation_checkpointing": dict(repeats=3, seq_lens=[1024, 2048], depths=[12]),
+    "zero_fsdp": dict(steps=8, sweep_steps=2),
+    "input_pipeline": dict(steps=12, synth_steps=8, epochs=2, epoch_batches=4, straggler_steps=8, setup_ms=500.0),
+    "packing": dict(steps=20, warmup=4, article_n=200_000, bench_n=50_000),
+    "fault_tolerance": dict(steps=40, save_every=10, bench_repeats=2, naive_trials=10),
 }

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from labkit.labs.resolve import resolve
+from labkit.labs.parameters import resolve
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 LABS_DIR = ROOT / "labs"
@@ -24,11 +24,13 @@ def list_labs(labs_dir: Path = LABS_DIR) -> list[str]:
     return sorted(p.stem for p in labs_dir.glob("*.md"))
 
 
-def check_lab(name: str, profile: str, labs_dir: Path = LABS_DIR) -> None:
-    """A ValueError naming what exists when ``name`` is not a lab or ``profile`` not one of its profiles."""
+def check_lab(name: str, profile: str, labs_dir: Path = LABS_DIR, gpus: int | None = None,
+              overrides: dict | None = None) -> None:
+    """A ValueError naming what exists when ``name`` is not a lab, ``profile`` not one of its profiles
+    or an override not one of its parameters."""
     if not (labs_dir / f"{name}.md").is_file():
         raise ValueError(f"LAB={name!r} does not exist; valid labs: {list_labs(labs_dir)}")
-    resolve(name, profile)  # fail fast on a bad profile, before a kernel starts
+    resolve(name, profile, gpus=gpus, **(overrides or {}))  # fail fast, before a kernel starts
 
 
 def _fingerprint(lab_path: Path, profile: str) -> str:
@@ -39,6 +41,23 @@ def _fingerprint(lab_path: Path, profile: str) -> str:
     return h.hexdigest()
 
 
+def _execute_notebook(name: str, src: Path, out_nb: Path, parameters: dict) -> None:
+    import jupytext
+    import papermill as pm
+
+    try:
+        pm.execute_notebook(
+            jupytext.read(src), str(out_nb), kernel_name=_kernel_name(), cwd=str(out_nb.parent),
+            parameters=parameters, progress_bar=sys.stdout.isatty(), log_output=False,
+            request_save_on_cell_execute=False,
+        )
+    except pm.PapermillExecutionError as e:
+        raise RuntimeError(
+            f"lab {name!r} failed in cell {e.exec_count} ({e.ename}: {e.evalue}); "
+            f"the partly executed notebook is at {out_nb}"
+        ) from None
+
+
 def _kernel_name() -> str:
     from jupyter_client.kernelspec import KernelSpecManager
 
@@ -46,37 +65,41 @@ def _kernel_name() -> str:
 
 
 def run_lab(name: str, profile: str, out_dir: Path = OUT_DIR, force: bool = False,
-            labs_dir: Path = LABS_DIR) -> Path:
-    """Execute one lab; return the path of its metrics JSON. Skips the run when nothing changed."""
-    import jupytext
-    import papermill as pm
+            labs_dir: Path = LABS_DIR, overrides: dict | None = None, as_script: bool = False,
+            gpus: int | None = None, quiet: bool = False) -> Path:
+    """Execute one lab; return the path of its metrics JSON. Skips the run when nothing changed.
 
-    check_lab(name, profile, labs_dir)
+    ``overrides`` and ``gpus`` become the lab's ``OVERRIDES`` and ``GPUS`` parameters; ``as_script``
+    runs its cells without Jupyter (:mod:`labkit.labs.script`), for machines without papermill, its
+    output in ``<lab>.log`` (and on the terminal unless ``quiet``)."""
+    check_lab(name, profile, labs_dir, gpus, overrides)
     src = labs_dir / f"{name}.md"
     out_dir.mkdir(parents=True, exist_ok=True)
     out_nb, metrics = out_dir / f"{name}.ipynb", out_dir / f"{name}.metrics.json"
     stamp = out_dir / f".{name}.fingerprint"
-    key = _fingerprint(src, profile)
-    if not force and out_nb.exists() and metrics.exists() and stamp.exists() and stamp.read_text() == key:
+    parameters: dict = {"PROFILE": profile, "METRICS_PATH": metrics.name}
+    if overrides:
+        parameters["OVERRIDES"] = dict(overrides)
+    if gpus is not None:
+        parameters["GPUS"] = gpus
+    key = _fingerprint(src, profile if len(parameters) == 2 else repr(sorted(parameters.items())))
+    key += "-script" if as_script else ""
+    if not force and metrics.exists() and stamp.exists() and stamp.read_text() == key and (as_script or out_nb.exists()):
         print(f"[labs] {name}: up to date ({profile}), not re-run")
         return metrics
     stamp.unlink(missing_ok=True)
     metrics.unlink(missing_ok=True)
-    print(f"[labs] {name}: executing with PROFILE={profile!r} ...", flush=True)
+    how = " as a script" if as_script else ""
+    print(f"[labs] {name}: executing{how} with PROFILE={profile!r} ...", flush=True)
     t0 = time.perf_counter()
-    try:
-        pm.execute_notebook(
-            jupytext.read(src), str(out_nb), kernel_name=_kernel_name(), cwd=str(out_dir),
-            parameters={"PROFILE": profile, "METRICS_PATH": metrics.name},
-            progress_bar=sys.stdout.isatty(), log_output=False, request_save_on_cell_execute=False,
-        )
-    except pm.PapermillExecutionError as e:
-        raise RuntimeError(
-            f"lab {name!r} failed in cell {e.exec_count} ({e.ename}: {e.evalue}); "
-            f"the partly executed notebook is at {out_nb}"
-        ) from None
+    if as_script:
+        from labkit.labs.script import run_script
+
+        run_script(src, out_dir, parameters, quiet)
+    else:
+        _execute_notebook(name, src, out_nb, parameters)
     if not metrics.exists():
         raise RuntimeError(f"lab {name!r} ran but wrote no metrics file {metrics}")
     stamp.write_text(key)
-    print(f"[labs] {name}: done in {time.perf_counter() - t0:.0f} s -> {out_nb}")
+    print(f"[labs] {name}: done in {time.perf_counter() - t0:.0f} s -> {metrics if as_script else out_nb}")
     return metrics

@@ -76,6 +76,16 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict,
     """``deepspeed.initialize`` on ``device``'s accelerator, with errors that say what to do.
 
     A client ``lr_scheduler`` is stepped by ``engine.step()`` and saved in the engine's checkpoints."""
+    init_distributed(device)
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, lr_scheduler=lr_scheduler)
+    return engine
+
+
+def init_distributed(device: torch.device) -> None:
+    """DeepSpeed's process group on ``device``'s accelerator and backend, without the op it would compile
+    on CPU."""
     use_accelerator(device)
     try:
         import deepspeed
@@ -99,8 +109,6 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict,
             "DeepSpeed could not start its process group: check that the ranks can reach each other and, "
             "if DeepSpeed builds ops here, that g++ is installed and TORCH_EXTENSIONS_DIR is writable "
             f"({type(e).__name__}: {e})") from None
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, lr_scheduler=lr_scheduler)
-    return engine
 
 
 def train_step(engine: DeepSpeedEngine, micros: list,

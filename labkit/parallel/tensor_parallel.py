@@ -119,10 +119,14 @@ def parallelize_dtensor(model: GPT, mesh: DeviceMesh, sequence_parallel: bool = 
     # The residual stream stays a DTensor sharded on the sequence (dim 1) between the TP regions;
     # attention and the MLP gather the full sequence at their input, and their row-parallel output
     # is reduce-scattered back to sequence shards (Korthikanti et al. 2022, Figure 5).
+    # The gathered input stays a DTensor (use_local_output=False): the column-parallel matmul's input
+    # gradient is then Partial and its way back to sequence shards is one reduce-scatter. Handed over
+    # as a plain tensor it would be re-wrapped as Replicate, whose backward all-reduces the full
+    # activations: twice the reduce-scatter's ring bytes (measured with the counter).
     def gather(n_args: int) -> PrepareModuleInput:  # the block calls attn(x, attn_mask), mlp(x)
         return PrepareModuleInput(input_layouts=(Shard(1),) + (None,) * (n_args - 1),
                                   desired_input_layouts=(Replicate(),) + (None,) * (n_args - 1),
-                                  use_local_output=True)
+                                  use_local_output=False)
 
     plan = {"ln_1": SequenceParallel(), "attn": gather(2), "attn.qkv": ColwiseParallel(),
             "attn.proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),

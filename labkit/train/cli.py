@@ -118,7 +118,9 @@ def _configs(parser: argparse.ArgumentParser, args: dict) -> tuple[TrainConfig, 
             raise ValueError(f"corpus={args['corpus']!r} is not a file; pass the path of a text file, or leave "
                              "--corpus out for the shipped corpus")
         for name, directory in (("checkpoint_dir", tc.checkpoint_dir), ("step_log", tc.step_log and
-                                 Path(tc.step_log).parent), ("metrics", args["metrics"] and Path(args["metrics"]).parent)):
+                                 Path(tc.step_log).parent), ("metrics", args["metrics"] and Path(args["metrics"]).parent),
+                                ("profile_dir", tc.profile_steps and tc.profile_dir),
+                                ("memory_snapshot", tc.memory_snapshot and Path(tc.memory_snapshot).parent)):
             if directory is not None:
                 _writable(name, Path(directory))
     except ValueError as e:
@@ -162,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         print("yes" if why is None else f"no: {why}")
         return 0
     tc, mc = _configs(parser, args)
+    if tc.deterministic:  # cuBLAS reads it once, when the process first uses it: before CUDA starts
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     try:
         if "RANK" in os.environ:
             rank, world, _ = init_from_env(tc.device)

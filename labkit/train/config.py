@@ -130,7 +130,8 @@ class TrainConfig:
             parse_steps(self.profile_steps, self.steps)
         for name in ("tf32", "memory_snapshot"):
             if getattr(self, name) and self.device != "cuda":
-                raise ValueError(f"{name} needs device='cuda' (a CUDA feature); leave it out on the CPU")
+                raise ValueError(f"{name} is not available with device={self.device!r}: it is a CUDA feature; leave it "
+                                 "out on the CPU")
         check_config(self)  # what the chosen strategy takes, refuses, or cannot do
 
 

@@ -104,6 +104,12 @@ def peak_memory(device: torch.device) -> dict[str, int | None]:
             "process_max_rss": rss}
 
 
+def allocated(device: torch.device) -> int | None:
+    """Bytes the CUDA allocator hands out now (None on CPU): after a step, before the gradients are
+    freed, that is the model states plus the batch, to hold against :mod:`labkit.memory`."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
 def finish(cfg: TrainConfig, device: torch.device, rank: int) -> None:
     """Write the allocator's history, when asked for (before the process lets go of it)."""
     if cfg.memory_snapshot and device.type == "cuda":

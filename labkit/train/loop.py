@@ -63,6 +63,7 @@ class _Record:
         self.mode = count_comm if count_comm != "auto" else ("last" if device.type == "cuda" else "every")
         self.steps = steps
         self.times, self.timed, self.comm, self.calls, self.held, self.local = [], [], [], [], [], []
+        self.allocated: list[int | None] = []  # the CUDA allocator's bytes in use where ``held`` is counted
 
     def counted(self, step: int) -> bool:
         """Whether ``step`` runs under the collective counter (its Python dispatch costs time)."""
@@ -79,6 +80,7 @@ class _Record:
                 "comm_volume_per_step": per_step(lambda b: ring_volume(b, world)),
                 "model_state_bytes": asdict(states) | {"total": states.total} if states else None,
                 "model_state_bytes_per_step": self.held, "local_loss": self.local,
+                "cuda_allocated_after_step": self.allocated,
                 "peak_memory_bytes": instruments.peak_memory(plan.device), **plan.rank_figures()}
 
 
@@ -139,6 +141,7 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
                 profiler.after(step)
                 states = plan.model_states()  # counted outside the timed step, before the gradients are freed
                 rec.held.append(states.total)
+                rec.allocated.append(instruments.allocated(device))
                 plan.zero_grad()
                 mine_loss, global_loss = torch.stack([local, plan.global_loss(local)]).tolist()  # one sync
                 rec.local.append(mine_loss)

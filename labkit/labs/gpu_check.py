@@ -1,0 +1,167 @@
+"""``python3 -m labkit.gpu_check`` (``make gpu-check``): does this GPU node or hub image run the course?
+
+One command for an instructor on a fresh GPU machine. It checks the environment, runs every strategy
+on the node's GPUs against one process, the precision paths, the speed (MFU) of the GPT at GPT-2
+small's shape in bf16 with its memory against the calculator, and every lab's ``gpu`` profile
+trimmed to a few steps (:data:`labkit.labs.profiles.GPU_CHECK`); it prints one pass/fail/skip line
+per item and writes ``gpu_check.json`` and ``gpu_check.md`` into ``--out``.
+
+It runs on any torch from 2.11 on, without ``.venv``: a package an item needs and the machine
+lacks (DeepSpeed, papermill, ...) skips that item with the package's name; labs run through
+papermill where it exists and as plain scripts (:mod:`labkit.labs.script`) where it does not. On a
+machine without CUDA it says so in one sentence and exits 2; ``--device cpu`` runs the same items
+on CPU processes over gloo, to check the check itself (its speeds mean nothing).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+from labkit.core.checks import positive_int
+from labkit.core.cli import ArgumentParser
+from labkit.labs import gpu_items
+from labkit.labs.gpu_items import Item, Setting, has, log
+from labkit.labs.profiles import GPU_CHECK
+from labkit.labs.runner import ROOT, list_labs, run_lab
+
+ITEMS = ("environment", "strategies", "precision", "speed", "determinism", "labs")
+STATUS = {"pass": "PASS", "fail": "FAIL", "skip": "SKIP"}
+
+
+def _guarded(name: str, fn: Callable[[], list[Item]]) -> list[Item]:
+    """Run one item; a missing package is a skip naming it, any other error a one-line failure."""
+    t0 = time.perf_counter()
+    try:
+        items = fn()
+    except ModuleNotFoundError as e:
+        items = [Item(name, "skip", f"needs the package {e.name!r}, which is not installed")]
+    except Exception as e:  # noqa: BLE001 - the report says what failed and goes on to the next item
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        items = [Item(name, "fail", f"{type(e).__name__}: {first}"[:400])]
+    seconds = time.perf_counter() - t0
+    for it in items:
+        it.seconds = it.seconds or seconds / len(items)
+        log(f"{STATUS[it.status]} {it.name}: {it.detail}")
+    return items
+
+
+def lab_items(s: Setting, labs: list[str], profile: str, out: Path, as_script: bool = False) -> list[Item]:
+    """Every lab under ``profile`` (trimmed for the check when it is ``gpu``), one item each."""
+    notebook = not as_script and has("papermill") and has("jupytext") and has("ipykernel")
+    items = []
+    for name in labs:
+        overrides = GPU_CHECK.get(name, {}) if profile == "gpu" else {}
+        how = "papermill" if notebook else "as a script"
+
+        def run(name=name, overrides=overrides) -> list[Item]:
+            path = run_lab(name, profile, out, force=True, overrides=overrides, as_script=not notebook,
+                           gpus=s.world if profile == "gpu" else None, quiet=True)
+            return [Item(f"lab {name}", "pass", f"{profile} profile{' (trimmed)' if overrides else ''}, {how}: "
+                         f"metrics in {path}")]
+
+        items += _guarded(f"lab {name}", run)
+    return items
+
+
+def report(items: list[Item], s: Setting, out: Path) -> tuple[Path, Path]:
+    """``gpu_check.json`` (every figure) and ``gpu_check.md`` (a table a person reads)."""
+    out.mkdir(parents=True, exist_ok=True)
+    counts = {k: sum(i.status == k for i in items) for k in STATUS}
+    data = {"setting": asdict(s), "counts": counts, "items": [asdict(i) for i in items]}
+    js = out / "gpu_check.json"
+    js.write_text(json.dumps(data, indent=1, default=str))
+    env = next((i.figures for i in items if i.name == "environment"), {})
+    lines = ["# GPU check", "", f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped "
+             f"on {s.world} {s.device} rank(s).", ""]
+    if env:
+        gpus = ", ".join(g["name"] for g in env.get("gpus", [])) or "none"
+        lines += [f"torch {env.get('torch')}, CUDA {env.get('cuda')}, NCCL {env.get('nccl')}, Python "
+                  f"{env.get('python')}; GPUs: {gpus}", ""]
+    lines += ["| item | result | detail | s |", "|---|---|---|---:|"]
+    lines += [f"| {i.name} | {STATUS[i.status]} | {i.detail.replace('|', '/')} | {i.seconds:.0f} |" for i in items]
+    md = out / "gpu_check.md"
+    md.write_text("\n".join(lines) + "\n")
+    return js, md
+
+
+def _parser() -> ArgumentParser:
+    ap = ArgumentParser(prog="python -m labkit.gpu_check", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cuda (the check); cpu: the same items on CPU processes, to test the check itself")
+    ap.add_argument("--gpus", type=int, default=None, help="ranks to use (default: every GPU; 2 with --device cpu)")
+    ap.add_argument("--only", default=",".join(ITEMS), help=f"comma-separated items to run, of {list(ITEMS)}")
+    ap.add_argument("--strategies", default=None, help="comma-separated strategies (default: every strategy)")
+    ap.add_argument("--labs", default=None, help="comma-separated labs (default: every lab)")
+    ap.add_argument("--profile", default=None, help="lab profile (default: gpu, trimmed; ci with --device cpu)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per strategy run (default: 6 on GPU, 4 on CPU)")
+    ap.add_argument("--as-script", action="store_true", help="run the labs as plain scripts even where papermill "
+                    "exists (what a machine without Jupyter does)")
+    ap.add_argument("--out", type=Path, default=ROOT / "_build" / "gpu_check", help="where the reports go")
+    return ap
+
+
+def _setting(ap: ArgumentParser, args) -> tuple[Setting, list[str], list[str]]:
+    import torch
+
+    from labkit.train import STRATEGIES
+
+    try:
+        only = [x for x in args.only.split(",") if x]
+        bad = sorted(set(only) - set(ITEMS))
+        if bad:
+            raise ValueError(f"--only has unknown items {bad}; valid items: {list(ITEMS)}")
+        labs = args.labs.split(",") if args.labs else list_labs()
+        if set(labs) - set(list_labs()):
+            raise ValueError(f"--labs has unknown labs {sorted(set(labs) - set(list_labs()))}; valid: {list_labs()}")
+        strategies = tuple(args.strategies.split(",")) if args.strategies else None
+        if strategies and set(strategies) - set(STRATEGIES):
+            raise ValueError(f"--strategies has unknown names {sorted(set(strategies) - set(STRATEGIES))}; valid: "
+                             f"{list(STRATEGIES)}")
+        for name in ("gpus", "steps"):
+            if getattr(args, name) is not None:
+                positive_int(f"--{name}", getattr(args, name))
+    except ValueError as e:
+        ap.error(str(e))
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.device == "cuda" and not found:
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        ap.exit(2, f"gpu-check: no CUDA GPU is visible here (torch {torch.__version__}, {build}); run it on a GPU "
+                   "node or hub image, or pass --device cpu to check the check itself on CPU processes\n")
+    if args.device == "cuda" and args.gpus and args.gpus > found:
+        ap.error(f"--gpus {args.gpus} but this machine has {found} GPU(s); use --gpus <= {found}")
+    world = args.gpus or (found if args.device == "cuda" else 2)
+    steps = args.steps or (6 if args.device == "cuda" else 4)
+    return Setting(args.device, world, steps, strategies), only, labs
+
+
+def main(argv: list[str] | None = None) -> int:
+    import os
+
+    # cuBLAS sizes its workspace once, at its first use in the process: before any item runs
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    ap = _parser()
+    args = ap.parse_args(argv)
+    s, only, labs = _setting(ap, args)
+    profile = args.profile or ("gpu" if s.device == "cuda" else "ci")
+    log(f"gpu-check: {', '.join(only)} on {s.world} {s.device} rank(s); reports in {args.out}")
+    t0 = time.perf_counter()
+    items: list[Item] = []
+    for name in only:
+        if name == "labs":
+            items += lab_items(s, labs, profile, args.out / "labs", args.as_script)
+        else:
+            items += _guarded(name, lambda name=name: getattr(gpu_items, name)(s))
+    js, md = report(items, s, args.out)
+    failed = [i.name for i in items if i.status == "fail"]
+    log(f"gpu-check: {len(items) - len(failed)} of {len(items)} items passed or skipped in "
+        f"{time.perf_counter() - t0:.0f} s" + (f"; failed: {', '.join(failed)}" if failed else "") +
+        f"; report: {md}, figures: {js}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

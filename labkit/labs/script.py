@@ -1,0 +1,94 @@
+"""Run a lab without Jupyter: its code cells in order, in one namespace, the profile's parameters injected.
+
+Where no Jupyter kernel, papermill or jupytext exists (many GPU images: CUDA PyTorch and little
+else), ``python -m labkit run LAB --profile gpu --as-script`` still executes a lab: the MyST
+notebook's ``{code-cell}`` blocks are read directly, the ``parameters`` cell runs first and then the
+injected values (as papermill would), figures go to matplotlib's non-interactive backend, and the
+lab writes its metrics JSON as it does in a notebook. A package a lab needs and the machine lacks
+stops it with one line that names the package.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from contextlib import contextmanager, redirect_stdout
+from pathlib import Path
+from typing import IO, Iterator
+
+CELL = re.compile(r"^```\{code-cell\}[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
+
+
+class LabSkipped(RuntimeError):
+    """The lab needs a package this machine does not have."""
+
+
+def cells(path: Path) -> list[tuple[str, set[str]]]:
+    """The code cells of a MyST-markdown notebook: ``(source, tags)``, front matter removed."""
+    out = []
+    for m in CELL.finditer(path.read_text()):
+        body, tags = m.group(1), set()
+        if body.startswith("---\n"):  # YAML options: ---\n...\n---
+            head, _, body = body[4:].partition("\n---\n")
+            tags |= set(re.findall(r"[\w-]+", (re.search(r"tags:\s*\[([^\]]*)\]", head) or [None, ""])[1]))
+        while body.startswith(":"):  # short options: ":tags: [parameters]"
+            line, _, body = body.partition("\n")
+            if line.startswith(":tags:"):
+                tags |= set(re.findall(r"[\w-]+", line.split(":", 2)[2]))
+        out.append((body, tags))
+    return out
+
+
+@contextmanager
+def _in(directory: Path) -> Iterator[None]:
+    cwd = os.getcwd()
+    os.chdir(directory)
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+
+
+class _Tee:
+    """What the lab prints, to the terminal (unless ``quiet``) and to its log file."""
+
+    def __init__(self, log: IO[str], quiet: bool) -> None:
+        self.log, self.out = log, None if quiet else sys.stdout
+
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        if self.out is not None:
+            self.out.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.log.flush()
+        if self.out is not None:
+            self.out.flush()
+
+
+def run_script(lab_path: Path, out_dir: Path, parameters: dict, quiet: bool = False) -> dict:
+    """Execute the lab at ``lab_path`` in ``out_dir`` with ``parameters``; its namespace afterwards.
+
+    What the lab prints also goes to ``out_dir/<lab>.log``; ``quiet`` keeps it off the terminal."""
+    os.environ.setdefault("MPLBACKEND", "Agg")  # figures are drawn, never shown
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ns: dict = {"__name__": f"labkit_lab_{lab_path.stem}"}
+    injected = "\n".join(f"{k} = {v!r}" for k, v in parameters.items())
+    t0 = time.perf_counter()
+    with open(out_dir / f"{lab_path.stem}.log", "w") as log, redirect_stdout(_Tee(log, quiet)), _in(out_dir):
+        for i, (source, tags) in enumerate(cells(lab_path)):
+            try:
+                exec(compile(source, f"{lab_path.name}, cell {i}", "exec"), ns)  # noqa: S102 - the lab's own code
+                if "parameters" in tags:
+                    exec(injected, ns)  # noqa: S102 - papermill's injected-parameters cell
+            except ModuleNotFoundError as e:
+                if (e.name or "").split(".")[0] == "labkit":
+                    raise
+                raise LabSkipped(f"lab {lab_path.stem!r} needs the package {e.name!r}, which is not installed "
+                                 f"(cell {i})") from None
+            except Exception as e:  # noqa: BLE001 - one line naming the cell
+                raise RuntimeError(f"lab {lab_path.stem!r} failed in cell {i} ({type(e).__name__}: {e})") from e
+    ns["_seconds"] = time.perf_counter() - t0
+    return ns
