@@ -36,15 +36,24 @@ def resign(ckpt_dir: Path, step: int) -> None:
 
 
 def deepspeed_resume(strategy: str, ckpt_dir: str, marker: str) -> dict:
-    """DeepSpeed behind the same Checkpointer: save at steps 2 and 4, plant a pickle in step 4's
-    optimizer file, resume (step 4 refused, step 2 used) and compare with an uninterrupted run."""
+    """DeepSpeed behind the same Checkpointer: save at steps 2, 4 and 6; plant a pickle in step 6's
+    optimizer file, and in step 4 move DeepSpeed's tag directory elsewhere, link it back and plant the
+    pickle there (``Path.rglob`` does not enter a linked directory, DeepSpeed reads through it with
+    ``weights_only=False``); rewrite both manifests; resume (6 and 4 refused, 2 used) and compare with
+    an uninterrupted run."""
     model = GPTConfig(block_size=16, n_layer=1)
-    base = dict(strategy=strategy, steps=4, lr_schedule="cosine", warmup_steps=1, return_params=True)
+    base = dict(strategy=strategy, steps=6, lr_schedule="cosine", warmup_steps=1, return_params=True, keep_last=3)
     ref = train(TrainConfig(**base), model)
     train(TrainConfig(**base, checkpoint_dir=ckpt_dir, save_every=2), model)
     if dist.get_rank() == 0:
-        victim = next((Path(ckpt_dir) / "step_00000004").rglob("*optim_states.pt"))
+        victim = next((Path(ckpt_dir) / "step_00000006").rglob("*optim_states.pt"))
         victim.write_bytes(pickle.dumps(Payload(marker)))
+        resign(Path(ckpt_dir), 6)
+        tag = Path(ckpt_dir) / "step_00000004" / "engine" / "ckpt"
+        moved = Path(ckpt_dir).parent / "moved_tag"
+        tag.rename(moved)
+        tag.symlink_to(moved, target_is_directory=True)
+        next(moved.rglob("*optim_states.pt")).write_bytes(pickle.dumps(Payload(marker)))
         resign(Path(ckpt_dir), 4)
     dist.barrier()
     resumed = train(TrainConfig(**base, checkpoint_dir=ckpt_dir, save_every=2), model)

@@ -169,3 +169,19 @@ def counted_collectives() -> dict:
             call()
         out[name] = dict(c.bytes)
     return out
+
+
+def start_a_sleeper() -> int:
+    """Start a grandchild of launch (what a DataLoader worker or a subprocess is) and leave it running."""
+    import subprocess
+
+    return subprocess.Popen(["sleep", "300"]).pid
+
+
+def fail_fast_or_wait(bad_rank: int) -> int:
+    """Rank ``bad_rank`` fails at once; the others wait for something from it that never comes (outside
+    a collective, where gloo would notice the peer's death)."""
+    if dist.get_rank() == bad_rank:
+        raise ValueError("deliberate failure")
+    time.sleep(3600)
+    return dist.get_rank()

@@ -374,9 +374,25 @@ def test_train_sbatch_passes_checkpoint_flags_only_where_labkit_can_checkpoint(s
     python = argv.index(str(tmp_path / "bin" / "python"))  # srun's own options come first
     assert argv[:python] == ["--kill-on-bad-exit=0", "--nodes=2", "--ntasks-per-node=1"]
     assert argv[python + 1:python + 3] == ["-m", "torch.distributed.run"]
-    assert "--nnodes=2" in argv and "--rdzv-endpoint=10.0.0.1:20007" in argv  # NodeAddr, 20000 + job id
+    endpoint = next(a for a in argv if a.startswith("--rdzv-endpoint="))
+    assert "--nnodes=2" in argv and endpoint.startswith("--rdzv-endpoint=10.0.0.1:")  # NodeAddr of the head
     cfg = _check_train_argv(argv, strategy, out.stdout, ckpt=str(tmp_path / "ckpt"))
     assert (cfg.step_log is None) == _rejects_checkpoints(strategy)
+
+
+def test_jobs_whose_ids_differ_by_the_port_range_get_different_free_ports(tmp_path):
+    """The port used to be 20000 + job id mod 20000: jobs 12345 and 32345 on one node shared it."""
+    import socket
+
+    ports = []
+    for job in ("12345", "32345"):
+        out, argv = _sbatch("train.sbatch", tmp_path, STRATEGY="ddp", SLURM_JOB_ID=job)
+        assert out.returncode == 0, out.stderr
+        port = int(next(a for a in argv if a.startswith("--rdzv-endpoint=")).rsplit(":", 1)[1])
+        assert f"--rdzv-id={job}" in argv and port != 32345
+        with socket.socket() as s:
+            s.bind(("", port))  # free on this (the batch) host
+        ports.append(port)
 
 
 def test_train_sbatch_trains_at_a_lab_profiles_size(tmp_path):
@@ -444,3 +460,52 @@ def test_stop_script_stops_only_its_own_clusters_job_steps(tmp_path):
         for p in (own, foreign):
             p.kill()
             p.wait()
+
+
+# -- what a hostile or careless setting must not get through (the hardening review) --
+@pytest.mark.skipif(os.geteuid() != 0, reason="start.sh runs as root (slurmd starts jobs as their user); CI is root")
+def test_the_local_slurm_starter_refuses_a_state_directory_it_did_not_make(tmp_path):
+    """With the munge key one can mint credentials for any user: the state directory must be new or
+    root's own and empty, never a link, and nothing planted in it may be followed."""
+    start = CLUSTER / "slurm" / "local" / "start.sh"
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)  # nobody's
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "slurm.conf").symlink_to(victim)
+    (planted / "munge.key").symlink_to(victim)
+    (tmp_path / "link").symlink_to(planted)
+    for state, why in ((theirs, "is not a directory owned by root"), (tmp_path / "link", "is not a directory owned by root"),
+                       (planted, "is not empty")):
+        out = subprocess.run(["bash", str(start), str(state)], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 2 and why in out.stderr, (state, out.stderr)
+    assert victim.read_text() == "keep me" and (theirs.stat().st_mode & 0o777) == 0o755
+
+
+def test_the_hub_names_no_admin_and_its_secrets_stay_out_of_git():
+    values = yaml.safe_load((HUB / "values.yaml").read_text())
+    assert "admin_users" not in values["hub"]["config"].get("Authenticator", {})
+    for path in ("secrets.yaml", "cluster/jupyterhub/secrets.yaml"):
+        assert subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0, path
+
+
+def test_images_are_pinned_so_replaced_pods_run_the_same_code():
+    values = yaml.safe_load((HUB / "values.yaml").read_text())
+    hub_tag = str(values["singleuser"]["image"]["tag"])
+    k8s_tag = str(_kustomization(K8S)["images"][0]["newTag"])
+    assert hub_tag == k8s_tag and re.fullmatch(r"\d+\.\d+\.\d+(@sha256:[0-9a-f]{64})?", hub_tag), hub_tag
+    steps = _dockerfile(HUB / "Dockerfile")
+    base = next(a for i, a in steps if i == "ARG" and a.startswith("BASE="))
+    assert re.fullmatch(r"BASE=python:3\.11\.\d+-slim-bookworm(@sha256:[0-9a-f]{64})?", base), base
+    assert next(a for i, a in steps if i == "FROM") == "${BASE}"
+
+
+def test_training_pods_run_as_the_images_user_without_privileges():
+    pod = yaml.safe_load((K8S / "job.yaml").read_text())["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000}
+    c = pod["containers"][0]["securityContext"]
+    assert c["allowPrivilegeEscalation"] is False and c["capabilities"]["drop"] == ["ALL"]
+    assert "useradd --create-home --uid 1000 jovyan" in (HUB / "Dockerfile").read_text()

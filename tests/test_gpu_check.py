@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from labkit.labs import PROFILES, list_labs, resolve
 from labkit.labs.cli import main as labs_main
@@ -100,3 +101,64 @@ def test_a_lab_run_as_a_script_records_what_papermill_records(tmp_path, lab_metr
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "strategy_cost.metrics.json").read_text()) == lab_metrics["strategy_cost"]
     assert "wrote strategy_cost.metrics.json" in (tmp_path / "strategy_cost.log").read_text()
+
+
+# The failures a reading of the code predicted for the first GPU user, as far as a CPU can show them
+# (the paired point-to-point posts are tests/test_p2p.py; fp16 on zero1_scratch, tests/test_sharded.py).
+def test_cuda_groups_carry_host_tensors_over_gloo():
+    """CPU-offloaded FSDP shards and object collectives live in host memory: a CUDA group needs gloo too."""
+    from labkit.core.devices import backend_for
+
+    assert backend_for("cuda") == "cpu:gloo,cuda:nccl" and backend_for("cpu") == "gloo"
+
+
+def test_deepspeed_computes_where_the_run_asks_not_where_cuda_is(monkeypatch):
+    import deepspeed.accelerator as acc
+
+    from labkit.parallel.deepspeed_zero import use_accelerator
+
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    use_accelerator(torch.device("cpu"))
+    assert os.environ["DS_ACCELERATOR"] == "cpu"
+
+    class CudaAccelerator:
+        def device_name(self):
+            return "cuda"
+
+    monkeypatch.setattr(acc, "get_accelerator", lambda: CudaAccelerator())
+    with pytest.raises(RuntimeError, match="DeepSpeed already runs on 'cuda' in this process, and this run asks "
+                                           "for device='cpu'"):
+        use_accelerator(torch.device("cpu"))
+
+
+def test_the_kernel_gives_its_cached_gpu_memory_back_before_ranks_start(monkeypatch, capsys):
+    import labkit.launch.local as local
+
+    reserved = iter([3 << 30, 1 << 30])
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: next(reserved))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    local._free_cached_gpu_memory("cpu")
+    assert not emptied  # CPU ranks: nothing to give back
+    local._free_cached_gpu_memory("cuda")
+    assert emptied and "released 2,048 MiB of this process's cached GPU memory" in capsys.readouterr().out
+
+
+def test_on_cuda_the_counter_runs_on_the_last_step_only():
+    """The counter is a Python dispatch mode over every op: on a GPU it would slow each step it wraps."""
+    from labkit.train.loop import _Record
+
+    gpu, cpu = _Record("auto", torch.device("cuda"), 5), _Record("auto", torch.device("cpu"), 5)
+    assert [gpu.counted(s) for s in range(5)] == [False] * 4 + [True]
+    assert all(cpu.counted(s) for s in range(5))
+
+
+def test_the_gpu_model_is_named_by_what_it_has():
+    from labkit.core.model import GPT, GPTConfig
+
+    p = PROFILES["data_parallel"]["gpu"]
+    n = GPT.count_params(GPTConfig(n_layer=p["n_layer"], n_head=p["n_head"], n_embd=p["n_embd"],
+                                   block_size=p["block_size"]))
+    assert 85.5e6 < n < 86.5e6  # GPT-2 small's shape with a 256-byte vocabulary, not its 124 M
+    assert "85.9 M parameters, not GPT-2's 124 M" in " ".join(sys.modules["labkit.labs.profiles"].__doc__.split())

@@ -82,3 +82,28 @@ def test_bad_device_and_world_size_are_named():
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     with pytest.raises(ValueError, match=rf"needs {n + 1} GPUs, found {n}"):
         launch(rank_fns.rank_info, "x", world_size=n + 1, device="cuda")
+
+
+def test_arguments_that_cannot_reach_the_ranks_are_one_clear_error():
+    """Spawn pickles the arguments when a rank starts: the PicklingError used to hide behind
+    'AssertionError: can only join a started process', and the started ranks were left running."""
+    with pytest.raises(TypeError, match=r"could not start rank 0: .*(Pickl|pickle).* pass module-level functions"):
+        launch(rank_fns.rank_info, lambda: 1, world_size=2, timeout=60)
+    assert not _spawned_children()
+
+
+def test_what_a_rank_started_does_not_outlive_launch():
+    pids = launch(rank_fns.start_a_sleeper, world_size=2, timeout=120)
+    time.sleep(0.5)
+    for pid in pids:  # killed with its rank's process group; reaped by init, or a zombie at most
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
+
+
+def test_a_peer_stopped_after_a_failure_is_not_blamed_on_the_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(rank_fns.fail_fast_or_wait, 0, world_size=2, timeout=600)
+    assert time.monotonic() - t0 < 60
+    waited = info.value.failures[1]
+    assert "after rank 0 failed" in waited and "most likely waiting for rank 0" in waited, waited
+    assert "timeout=600" not in waited

@@ -68,7 +68,7 @@ def _logs(workdir: Path) -> str:
 
 
 def _final_model(ckpt: Path) -> dict:
-    step, state = Checkpointer(ckpt).load_latest()
+    step, state = Checkpointer(ckpt, readonly=True).load_latest()
     assert step == STEPS
     return state["model"]
 

@@ -3,6 +3,9 @@
 * :mod:`labkit.fault_tolerance.checkpointer`: :class:`Checkpointer`, atomic, checksummed, retained,
   optionally asynchronous checkpoints over DCP (and DeepSpeed's own format).
 * :mod:`labkit.fault_tolerance.files`: the checkpoint's files: layout, checksums, durable writes, safe reads.
+* :mod:`labkit.fault_tolerance.directory`: a checkpoint directory: names, manifests, publication, retention.
+* :mod:`labkit.fault_tolerance.loading`: verifying and reading a checkpoint back, every rank agreeing.
+* :mod:`labkit.fault_tolerance.lock`: one writer per directory.
 * :mod:`labkit.fault_tolerance.resume`: the training state a bit-exact resume needs, saved and restored.
 * :mod:`labkit.fault_tolerance.rng`: every RNG state of a rank.
 * :mod:`labkit.fault_tolerance.preemption`: SIGTERM/SIGUSR1 to "finish the step, save, exit 75".

@@ -52,10 +52,11 @@ def measure(model_cfg: GPTConfig, directory: str | os.PathLike, repeats: int = 3
             rows.append(ck.wait() or stats)  # async: training would run here while the thread writes
         bench[mode] = {k: min(getattr(s, k) for s in rows) for k in ("blocking_s", "total_s", "hash_s")}
         bench[mode]["bytes"] = rows[-1].bytes
+        ck.close()
     fresh = build_model(model_cfg).to(dev)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-4)
     t0 = time.perf_counter()
-    restore(Checkpointer(directory / "bench_sync"), meta, fresh, fresh_opt)
+    restore(Checkpointer(directory / "bench_sync", readonly=True), meta, fresh, fresh_opt)
     restore_s = time.perf_counter() - t0
     identical = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     files = [p for p in (directory / "bench_sync" / Checkpointer.name(repeats)).rglob("*") if p.is_file()]
@@ -121,5 +122,6 @@ def flipped_bit(directory: str | os.PathLike, numel: int = 1 << 16) -> dict:
     problems = ck.verify(2)
     with warnings.catch_warnings(record=True):
         used = ck.load_latest()[0]
+    ck.close()
     return {"dcp_values_changed": int((back["w"] != sd["w"]).sum()), "checkpointer_problems": problems,
             "checkpointer_loaded_step": used}

@@ -4,21 +4,26 @@
 ``load_latest() -> (step, state) | None``, in one process or on every rank of a process group.
 
 * **Layout.** Tensors anywhere in ``state`` (DTensor shards included) go through
-  ``torch.distributed.checkpoint`` (DCP, PyTorch docs "Distributed Checkpoint"): every rank writes its
-  own shards, replicated tensors once, and a checkpoint saved on N ranks loads on M, or in a process
-  with no process group. Plain Python values, and ``state["local"]`` (this rank's own values, such as
-  RNG states) whole, go to ``rank{r}.pt``. A DeepSpeed engine in ``state`` saves itself with
-  ``engine.save_checkpoint`` into the same directory.
-* **Atomic publication** (the write-then-rename pattern of POSIX ``rename(2)``): every rank writes into
-  ``.tmp-step_XXXXXXXX``; once all are done, rank 0 writes ``manifest.json``, fsyncs the files and the
-  directory and renames it to ``step_XXXXXXXX``; then the ``latest`` pointer is replaced atomically and
-  old checkpoints are retired. A kill at any instant leaves the previous checkpoint or the new one.
+  ``torch.distributed.checkpoint`` (DCP): every rank writes its own shards, and a checkpoint saved on
+  N ranks loads on M, or with no process group. Plain values, and ``state["local"]`` (this rank's own,
+  such as RNG states) go to ``rank{r}.pt``; a DeepSpeed engine saves itself into the same directory.
+* **Atomic publication** (write, fsync, then ``rename(2)``; :mod:`.directory`): a kill at any instant
+  leaves the previous checkpoint or the new one.
 * **Integrity.** The manifest holds a size and an xxHash (XXH3, 64 bit) per file and a checksum of its
   own; ``load_latest`` verifies every file and skips, with a warning, a checkpoint that fails for the
   newest one that verifies. DCP, ``torch.save`` and safetensors store no checksums of their own.
 * **Safe loading.** Nothing is unpickled beyond data: ``rank{r}.pt`` loads with
   ``torch.load(weights_only=True)`` and DCP's pickled ``.metadata`` through an allow-list of DCP's
-  metadata classes (DCP itself calls ``pickle.load`` on it).
+  metadata classes (DCP itself calls ``pickle.load`` on it), whose storage paths must name files of
+  the manifest. A checkpoint holding a symbolic link, a FIFO or a file outside its directory is
+  refused before anything in it is opened. The manifest's checksum finds damage, not tampering: it is
+  no signature (:func:`labkit.fault_tolerance.directory.write_manifest` says what would be one).
+* **One writer.** The writer holds an exclusive lock on the directory (:mod:`.lock`) and touches only
+  names it writes; ``readonly=True`` opens a directory to load from while another run writes it.
+* **Nothing lost.** A value that would save but never load (a NumPy scalar that is not exactly a
+  Python one, an ``IntEnum``) is refused at save time, by key. When checkpoints exist and none
+  verifies, ``load_latest`` raises with each step and why (``if_unusable="start_over"`` is the
+  deliberate restart), and retention never deletes a checkpoint newer than the one just published.
 * **Async save.** ``save`` blocks only while DCP's stager copies the tensors to host memory; writing,
   hashing and publication run in a thread over a separate gloo process group (collectives of the
   training group must not interleave with the checkpoint's).
@@ -31,7 +36,6 @@ import shutil
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -46,6 +50,7 @@ from labkit.fault_tolerance.directory import LATEST, MANIFEST  # noqa: F401 - pa
 from labkit.fault_tolerance.files import (
     HASHES,
     CheckpointError,
+    check_loadable,
     describe,
     file_digest,
     fsync_tree,
@@ -53,52 +58,39 @@ from labkit.fault_tolerance.files import (
     write_durably,
 )
 from labkit.fault_tolerance.loading import LOCAL, is_engine
+from labkit.fault_tolerance.lock import DirectoryLock
+from labkit.fault_tolerance.step_log import LoadInfo, SaveStats
 
-
-@dataclass
-class SaveStats:
-    step: int
-    path: str
-    blocking_s: float  # how long save() held the training loop
-    total_s: float | None = None  # snapshot to published (None while an async save is in flight)
-    bytes: int = 0
-    hash_s: float = 0.0  # checksumming this rank's share of the files
-    done: bool = False
-
-
-@dataclass
-class LoadInfo:
-    step: int
-    path: str
-    world_size: int
-    seconds: float
-    skipped: list[tuple[int, str]] = field(default_factory=list)  # (step, why) of newer unusable ones
+IF_UNUSABLE = ("raise", "start_over")
 
 
 class Checkpointer:
     """Atomic, verified, retained checkpoints of a nested ``state`` dict; see the module docstring."""
 
     def __init__(self, directory: str | os.PathLike, keep_last: int = 2, async_save: bool = False,
-                 hash: str = "xxh3_64") -> None:
+                 hash: str = "xxh3_64", readonly: bool = False) -> None:
         positive_int("keep_last", keep_last)
         one_of("hash", hash, HASHES, "hashes")
         self.dir, self.keep_last, self.async_save, self.hash = Path(directory), keep_last, async_save, hash
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / f".probe-{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as e:
-            raise ValueError(f"directory={str(directory)!r} is not a writable directory ({e}); "
-                             "pass a path where this process may create files") from None
+        self.readonly, self.lock = readonly, None
+        if not readonly:
+            ckdir.check_writable(self.dir, "directory")
+        elif not self.dir.is_dir():
+            raise ValueError(f"directory={str(directory)!r} is not a directory to read checkpoints from")
         self.dist = dist.is_available() and dist.is_initialized()
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.dist else (0, 1)
         # Checkpoint collectives get their own gloo group: on the training group an async save's
         # collectives would interleave with the loop's (a hang; NOTES.md), and gloo moves CPU objects.
         self.pg = dist.new_group(backend="gloo") if self.dist else None
-        if self.rank == 0:  # leftovers of saves or deletions that were killed half-way
-            ckdir.clear_leftovers(self.dir)
-        self._barrier()
+        err = None
+        if self.rank == 0 and not readonly:
+            try:  # one writer at a time; then what saves or deletions killed half-way left behind
+                self.lock = DirectoryLock(self.dir)
+                for line in ckdir.recover_leftovers(self.dir):
+                    warnings.warn(f"{self.dir}: {line}", stacklevel=2)
+            except (OSError, CheckpointError) as e:
+                err = e
+        self._check_all(err, None)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.pending: SaveStats | None = None
@@ -106,11 +98,7 @@ class Checkpointer:
         self.last_load: LoadInfo | None = None
         self.last_skipped: list[tuple[int, str]] = []  # (step, why) of checkpoints the last load skipped
 
-    # -- collectives over the checkpoint group (no-ops in one process) --
-    def _barrier(self) -> None:
-        if self.dist:
-            dist.barrier(group=self.pg)
-
+    # -- a collective over the checkpoint group (none in one process) --
     def _gather(self, obj: Any) -> list:
         out = [None] * self.world
         if self.dist:
@@ -130,6 +118,8 @@ class Checkpointer:
         """Checkpoint ``state`` as ``step``; a collective on every rank. Returns when it is published
         (sync) or, with ``async_save``, as soon as the tensors are copied to host memory."""
         non_negative_int("step", step)
+        if self.readonly:
+            raise ValueError(f"this Checkpointer of {self.dir} was opened with readonly=True: it cannot save")
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict, got {type(state).__name__}")
         self.wait()  # one save in flight at a time
@@ -138,7 +128,9 @@ class Checkpointer:
         tensors: dict = {}
         skeleton = split({k: v for k, v in state.items() if k != LOCAL and k not in engine}, (), tensors)
         buf = io.BytesIO()
-        torch.save({"skeleton": skeleton, "local": state.get(LOCAL), "engines": sorted(engine)}, buf)
+        torch.save({"skeleton": skeleton, "local": split(state.get(LOCAL), (LOCAL,), None),
+                    "engines": sorted(engine)}, buf)
+        check_loadable(buf.getvalue())  # what the weights-only loader would refuse, refused now
         stats = SaveStats(step, str(self.dir / self.name(step)), 0.0)
         if self.async_save and not engine:
             writer = dcp.FileSystemWriter(self.dir / f".tmp-{self.name(step)}", sync_files=True)
@@ -198,26 +190,28 @@ class Checkpointer:
         files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
         mine = {f: [(tmp / f).stat().st_size, file_digest(tmp / f, self.hash)] for f in files[self.rank::self.world]}
         stats.hash_s = time.perf_counter() - t0
-        shares = self._gather(mine)
-        entries = {k: v for share in shares for k, v in share.items()}
+        entries = {k: v for share in self._gather(mine) for k, v in share.items()}
         stats.bytes = sum(v[0] for v in entries.values())
-        err = None
+        err, after = None, None
         if self.rank == 0:
             try:
-                ckdir.write_manifest(tmp, stats.step, self.world, self.hash, entries)
-                ckdir.publish(self.dir, tmp, final)
-                ckdir.retire(self.dir, stats.step, self.keep_last)
+                after = ckdir.publish_step(self.dir, tmp, stats.step, self.world, self.hash, entries, self.keep_last)
             except OSError as e:
                 err = e
         self._check_all(err, stats.step, tmp)
+        if after:
+            warnings.warn(f"step {stats.step} was published in {final}, but updating '{LATEST}' or retiring old "
+                          f"checkpoints failed ({after}); loading does not need either", stacklevel=3)
         stats.done = True
         self.last_save = stats
 
-    def _check_all(self, err: BaseException | None, step: int, tmp: Path | None = None) -> None:
+    def _check_all(self, err: BaseException | None, step: int | None, tmp: Path | None = None) -> None:
         errors = [e for e in self._gather(None if err is None else f"rank {self.rank}: {describe(err)}")
                   if e is not None]
         if not errors:
             return
+        if step is None:  # opening the directory
+            raise CheckpointError("; ".join(errors))
         if self.rank == 0 and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         good = [s for s in self.steps() if s != step]
@@ -231,49 +225,49 @@ class Checkpointer:
 
     def verify(self, step: int) -> list[str]:
         """Problems found in checkpoint ``step`` (empty when every file matches its manifest)."""
-        path = self.dir / self.name(step)
-        try:
-            m = self.manifest(step)
-        except (OSError, ValueError, CheckpointError) as e:
-            return [f"{MANIFEST}: {e}"]
-        on_disk = ckdir.files_of(path)
-        problems = [f"{f}: missing" for f in m["files"] if f not in on_disk]
-        problems += [f"{f}: not in the manifest" for f in on_disk if f not in m["files"]]
-        problems += ckdir.check_files(path, m, sorted(set(on_disk) & set(m["files"]))[self.rank::self.world])
-        return sorted({p for share in self._gather(problems) for p in share})
+        return loading.verify(self.dir / self.name(step), self.rank, self.world, self._gather)
 
-    def load_latest(self, template: dict | None = None,
-                    check: Callable[[dict], None] | None = None) -> tuple[int, dict] | None:
+    def load_latest(self, template: dict | None = None, check: Callable[[dict], None] | None = None,
+                    if_unusable: str = "raise") -> tuple[int, dict] | None:
         """The newest checkpoint that verifies and loads safely, as ``(step, state)``; None if there is none.
 
         With ``template`` (a state like the one saved, e.g. from a freshly built model), tensors load in
         place into the template's tensors, resharded by DCP to this world size; a DeepSpeed engine in
         the template loads itself. Without it, every tensor loads whole on the CPU. ``check`` sees the
         plain values (tensors not yet read) and may raise to refuse a checkpoint of another run: a
-        damaged checkpoint is skipped, a mismatched one is an error, not a reason to start over.
+        damaged checkpoint is skipped, a mismatched one is an error, not a reason to start over. When
+        checkpoints exist and none is usable, a CheckpointError lists each and why; with
+        ``if_unusable="start_over"`` None is returned instead (a deliberate restart from step 0).
         """
+        one_of("if_unusable", if_unusable, IF_UNUSABLE, "choices")
         self.wait()
         t0 = time.perf_counter()
         skipped = self.last_skipped = []
         for step in reversed(self.steps()):
             problems = self.verify(step)
+            state = None
             if not problems:
                 try:
                     saved = self._open(step)
-                except CheckpointError as e:
-                    problems = [f"refused to load: {e}"]
+                    if check is not None:
+                        check(saved["skeleton"])
+                    state = self._read(step, saved, template)
+                except (CheckpointError, dcp.CheckpointException) as e:  # DCP's is a BaseException
+                    problems = [f"refused to load: {describe(e)}"]
             if problems:
                 skipped.append((step, "; ".join(problems)))
                 warnings.warn(f"checkpoint {self.dir / self.name(step)} is unusable ({'; '.join(problems)}); "
                               "trying an older one", stacklevel=2)
                 continue
-            if check is not None:
-                check(saved["skeleton"])
-            state = self._read(step, saved, template)
             self.last_load = LoadInfo(step, str(self.dir / self.name(step)), self.manifest(step)["world_size"],
                                       time.perf_counter() - t0, skipped)
             return step, state
         self.last_load = None
+        if skipped and if_unusable == "raise":
+            raise CheckpointError(f"{self.dir} holds {len(skipped)} checkpoint(s) and none is usable: "
+                                  + "; ".join(f"step {s}: {why}" for s, why in skipped)
+                                  + ". Nothing was deleted; to start over from step 0 deliberately, pass "
+                                  "if_unusable='start_over' (labkit.train: --restart-if-unusable)")
         return None
 
     def _open(self, step: int) -> dict:
@@ -281,15 +275,18 @@ class Checkpointer:
         return loading.open_plain(self.dir / self.name(step), self.rank, self.world, self._gather)
 
     def _read(self, step: int, saved: dict, template: dict | None) -> dict:
-        saved_world = self.manifest(step)["world_size"]
-        return loading.read_state(self.dir / self.name(step), step, saved, template, self.rank,
-                                  saved_world == self.world, self.pg, self.dist)
+        same_world = self.manifest(step)["world_size"] == self.world
+        return loading.agreed(lambda: loading.read_state(self.dir / self.name(step), step, saved, template,
+                                                         self.rank, same_world, self.pg, self.dist),
+                              self.rank, self._gather)
 
     def close(self) -> None:
-        """Finish an async save in flight and release the checkpoint process group."""
+        """Finish an async save in flight; release the directory's lock and the checkpoint process group."""
         try:
             self.wait()
         finally:
+            if self.lock is not None:
+                self.lock.release()
             if self.pg is not None:
                 dist.destroy_process_group(self.pg)
                 self.pg = None

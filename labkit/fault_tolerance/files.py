@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 
 from labkit.core.checks import one_of
+from labkit.fault_tolerance.errors import CheckpointError  # noqa: F401 - the files' error, re-exported
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -31,9 +32,6 @@ if TYPE_CHECKING:
 # (A module-level filter: warnings.catch_warnings is not thread-safe, and async saves run in a thread.)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
                         category=UserWarning)
-
-class CheckpointError(RuntimeError):
-    """A save failed (the previous checkpoint is intact), or a checkpoint is unusable."""
 
 
 HASHES = ("xxh3_64", "crc32", "sha256")  # the lab measures the throughput of each
@@ -106,7 +104,9 @@ class MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refused to load {module}.{name} from a checkpoint's DCP metadata")
 
 
-def read_metadata(path: Path) -> Metadata:
+def read_metadata(path: Path, files: set[str]) -> Metadata:
+    """DCP's metadata of the checkpoint at ``path``, whose storage paths must all be among ``files``
+    (the checkpoint's own): DCP opens ``path / relative_path``, and ``../step_5/...`` would read another."""
     with open(path / ".metadata", "rb") as f:
         md = MetadataUnpickler(f).load()
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -114,35 +114,74 @@ def read_metadata(path: Path) -> Metadata:
     if not isinstance(md, Metadata) or not all(isinstance(v, TensorStorageMetadata)
                                                for v in md.state_dict_metadata.values()):
         raise pickle.UnpicklingError("DCP metadata holds non-tensor entries, which this format never writes")
+    storage = md.storage_data if isinstance(md.storage_data, dict) else None
+    if storage is None:
+        raise pickle.UnpicklingError("DCP metadata has no table of where each tensor is stored")
+    for info in storage.values():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or rel not in files:
+            raise pickle.UnpicklingError(f"DCP metadata points at {rel!r}, which is not a file of this checkpoint")
     return md
 
 
 class SafeReader(dcp.FileSystemReader):
+    def __init__(self, path: Path, files: set[str]) -> None:
+        super().__init__(path)
+        self.files = files
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        md = read_metadata(Path(self.path))
+        md = read_metadata(Path(self.path), self.files)
         md.storage_meta = md.storage_meta or StorageMeta()
         md.storage_meta.load_id = self.load_id
         return md
 
 
-def split(obj: Any, path: tuple, tensors: dict) -> Any:
-    """The plain-value skeleton of ``obj``; its tensors go to ``tensors`` under a path key."""
+def _plain(obj: Any, path: tuple) -> Any:
+    """``obj`` if it is exactly a plain type, a NumPy scalar as the equal Python value (no information
+    lost), else a TypeError naming the key: a subclass (``IntEnum``, ``np.str_``...) would save, and
+    then every load would refuse it (``weights_only``), and a resume would start from nothing."""
+    if type(obj) in PLAIN:
+        return obj
+    key = "/".join(map(str, path))
+    if type(obj).__module__ == "numpy" and getattr(obj, "ndim", None) == 0 and hasattr(obj, "item"):
+        value = obj.item()
+        if type(value) in PLAIN and (value == obj or value != value):  # value != value: NaN
+            return value
+    kind = next((f" (a subclass of {t.__name__})" for t in (bool, int, float, str, bytes) if isinstance(obj, t)), "")
+    name = type(obj).__name__ if type(obj).__module__ == "builtins" else f"{type(obj).__module__}.{type(obj).__name__}"
+    raise TypeError(f"state[{key!r}] is a {name}{kind}: it would save but "
+                    "never load with weights_only; a checkpoint holds tensors, dicts, lists, tuples and plain "
+                    "values (None, bool, int, float, str, bytes): convert it (int(x), str(x), x.tolist())")
+
+
+def split(obj: Any, path: tuple, tensors: dict | None) -> Any:
+    """The plain-value skeleton of ``obj``; its tensors go to ``tensors`` under a path key (with
+    ``tensors=None`` they stay in place: ``state["local"]`` is saved whole), every other value is checked."""
     if isinstance(obj, torch.Tensor):
+        if tensors is None:
+            return obj
         key = "/".join(map(str, path))
         if key in tensors:
             raise ValueError(f"state has two tensors at the same key path {key!r}")
         tensors[key] = obj
         return {TENSOR: key}
-    if isinstance(obj, dict):
-        return {k: split(v, (*path, k), tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, dict):  # OrderedDict (a state_dict) and the like save as a plain dict
+        return {_plain(k, (*path, k)): split(v, (*path, k), tensors) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
         return type(obj)(split(v, (*path, i), tensors) for i, v in enumerate(obj))
-    if not isinstance(obj, PLAIN):
-        raise TypeError(f"state[{'/'.join(map(str, path))!r}] is a {type(obj).__name__}: a checkpoint holds "
-                        "tensors, dicts, lists, tuples and plain values (None, bool, int, float, str, bytes)")
-    return obj
+    return _plain(obj, path)
+
+
+def check_loadable(data: bytes) -> None:
+    """Raise unless a ``rank{r}.pt`` payload loads back with ``weights_only`` (the loader's own test)."""
+    import io
+
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch says which global it refused
+        raise TypeError(f"the state would save but never load with weights_only: {e}") from None
 
 
 def fill(skel: Any, tensors: dict) -> Any:

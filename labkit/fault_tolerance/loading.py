@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from labkit.fault_tolerance import directory as ckdir
 from labkit.fault_tolerance.files import (
     CheckpointError,
     SafeReader,
@@ -33,24 +34,56 @@ def is_engine(v: Any) -> bool:
     return hasattr(v, "save_checkpoint") and hasattr(v, "load_checkpoint") and hasattr(v, "module")
 
 
+def agreed(fn: Callable[[], Any], rank: int, gather: Callable[[Any], list]) -> Any:
+    """``fn()`` on every rank; if it failed on any, a CheckpointError on all of them (every rank must
+    agree to skip a checkpoint, or the ones that go on wait for the others in a collective)."""
+    err, out = None, None
+    try:
+        out = fn()
+    except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
+        err = (isinstance(e, ValueError), f"rank {rank}: {describe(e)}")
+    errors = [e for e in gather(err) if e]
+    if any(caller for caller, _ in errors):  # the caller's mistake (a template of another model): raise it
+        raise ValueError("; ".join(msg for _, msg in errors))
+    if errors:
+        raise CheckpointError("; ".join(msg for _, msg in errors))
+    return out
+
+
+def verify(path: Path, rank: int, world: int, gather: Callable[[Any], list]) -> list[str]:
+    """Problems of the checkpoint at ``path``: links and odd files first (before anything in it is
+    opened), then the manifest, then each file's size and checksum (every rank checks a share)."""
+    try:
+        problems = ckdir.tree_problems(path)
+        if not problems:
+            m = ckdir.read_manifest(path)
+            on_disk, _ = ckdir.files_of(path)
+            problems = [f"{f}: missing" for f in m["files"] if f not in on_disk]
+            problems += [f"{f}: not in the manifest" for f in on_disk if f not in m["files"]]
+            problems += ckdir.check_files(path, m, sorted(set(on_disk) & set(m["files"]))[rank::world])
+    except FileNotFoundError as e:  # a writer's retention removed it while we read
+        problems = [f"removed while being read ({e.filename})"]
+    except (OSError, ValueError, CheckpointError) as e:
+        problems = [f"{ckdir.MANIFEST}: {e}"]
+    return sorted({p for share in gather(problems) for p in share})
+
+
+def _open(path: Path, rank: int, world: int) -> dict:
+    own = path / f"rank{rank}.pt"
+    # weights_only: plain containers, numbers, strings and tensors; never arbitrary objects
+    saved = torch.load(own if own.exists() else path / "rank0.pt", weights_only=True)
+    if (path / ".metadata").exists():
+        read_metadata(path, set(ckdir.files_of(path)[0]))
+    if saved["engines"]:  # this rank's share of DeepSpeed's files
+        scan = sorted(p for key in saved["engines"] for p in (path / key).rglob("*.pt"))
+        scan_weights_only(scan[rank::world], deepspeed_safe_globals())
+    return saved
+
+
 def open_plain(path: Path, rank: int, world: int, gather: Callable[[Any], list]) -> dict:
     """This rank's plain values of the checkpoint at ``path``, after every file that will be unpickled
-    passed the safe unpicklers; a collective (every rank agrees to skip)."""
-    own = path / f"rank{rank}.pt"
-    err, saved = None, None
-    try:  # weights_only: plain containers, numbers, strings and tensors; never arbitrary objects
-        saved = torch.load(own if own.exists() else path / "rank0.pt", weights_only=True)
-        if (path / ".metadata").exists():
-            read_metadata(path)
-        if saved["engines"]:  # this rank's share of DeepSpeed's files
-            scan = sorted(p for key in saved["engines"] for p in (path / key).rglob("*.pt"))
-            scan_weights_only(scan[rank::world], deepspeed_safe_globals())
-    except Exception as e:  # noqa: BLE001 - every rank must agree to skip
-        err = f"rank {rank}: {describe(e)}"
-    errors = [e for e in gather(err) if e]
-    if errors:
-        raise CheckpointError("; ".join(errors))
-    return saved
+    passed the safe unpicklers and DCP's storage paths were confined to the checkpoint; a collective."""
+    return agreed(lambda: _open(path, rank, world), rank, gather)
 
 
 def merge(a: Any, b: Any) -> Any:
@@ -81,6 +114,7 @@ def read_state(path: Path, step: int, saved: dict, template: dict | None, rank: 
     """The state saved at ``path``: tensors into ``template``'s (resharded by DCP) or, without one,
     whole on the CPU; DeepSpeed engines in the template load themselves."""
     own = path / f"rank{rank}.pt"
+    files = set(ckdir.files_of(path)[0])
     if template is None:  # whole tensors: every rank's part (pipeline stages save different ones)
         saved = dict(saved, skeleton=merged_skeleton(path))
     wanted = tensor_keys(saved["skeleton"])
@@ -90,20 +124,20 @@ def read_state(path: Path, step: int, saved: dict, template: dict | None, rank: 
         flat = {k: v for k, v in flat.items() if k in wanted}
         missing = sorted(wanted - set(flat))
         if missing:  # a template of another model or optimizer: refuse rather than fill in None
-            raise CheckpointError(f"step {step} holds {len(missing)} tensor(s) the template lacks, e.g. "
+            raise ValueError(f"step {step} holds {len(missing)} tensor(s) the template lacks, e.g. "
                                   f"{missing[:3]}; pass a template built like the saved state, or no template")
         if flat:
-            dcp.load(flat, storage_reader=SafeReader(path), process_group=pg, no_dist=not distributed)
+            dcp.load(flat, storage_reader=SafeReader(path, files), process_group=pg, no_dist=not distributed)
         for key in saved["engines"]:
             if key not in template:
-                raise CheckpointError(f"step {step} holds a DeepSpeed engine under {key!r}; pass it in the template")
+                raise ValueError(f"step {step} holds a DeepSpeed engine under {key!r}; pass it in the template")
             template[key].load_checkpoint(str(path / key), tag="ckpt", load_module_strict=True)
     else:
-        md = read_metadata(path) if wanted else None
+        md = read_metadata(path, files) if wanted else None
         flat = {k: torch.empty(md.state_dict_metadata[k].size, dtype=md.state_dict_metadata[k].properties.dtype)
                 for k in wanted}
         if flat:
-            dcp.load(flat, storage_reader=SafeReader(path), no_dist=True)
+            dcp.load(flat, storage_reader=SafeReader(path, files), no_dist=True)
     state = fill(saved["skeleton"], flat)
     state[LOCAL] = saved["local"] if same_world and own.exists() else None
     for key in saved["engines"]:

@@ -79,18 +79,21 @@ def check_compatible(saved: dict, meta: dict) -> list[str]:
 def restore(ckpt: Checkpointer, meta: dict,
             model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
             scheduler: LRScheduler | None = None, engine: DeepSpeedEngine | None = None,
-            scaler: torch.amp.GradScaler | None = None) -> tuple[int, list[float], list[str]]:
+            scaler: torch.amp.GradScaler | None = None,
+            if_unusable: str = "raise") -> tuple[int, list[float], list[str]]:
     """Load the newest good checkpoint into the live objects: ``(start_step, losses, notes)``.
 
-    ``(0, [], [])`` when there is none. Raises ValueError for a checkpoint of a different run.
+    ``(0, [], [])`` when there is none. Raises ValueError for a checkpoint of a different run, and
+    CheckpointError when there are checkpoints and none is usable, unless ``if_unusable="start_over"``.
     """
     if not ckpt.steps():
         return 0, [], []
     # get_state_dict gives a fresh optimizer its state (a zero-gradient step at lr 0) to load into
     template = training_state(0, meta, [], model, optimizer, scheduler, engine, scaler)
     notes: list[str] = []
-    got = ckpt.load_latest(template, check=lambda saved: notes.extend(check_compatible(saved["meta"], meta)))
-    if got is None:  # none verified: start over, as a run without checkpoints would
+    got = ckpt.load_latest(template, check=lambda saved: notes.extend(check_compatible(saved["meta"], meta)),
+                           if_unusable=if_unusable)
+    if got is None:  # none verified and asked to start over, as a run without checkpoints would
         if optimizer is not None and engine is None:
             optimizer.state.clear()
         return 0, [], [f"skipped step {s}: {why}" for s, why in ckpt.last_skipped]

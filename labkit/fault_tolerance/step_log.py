@@ -1,9 +1,11 @@
-"""A run's diary: one JSON line per step, checkpoint, restore and preemption, safe against SIGKILL."""
+"""A run's diary: one JSON line per step, checkpoint, restore and preemption, safe against SIGKILL;
+and what each save and load reports."""
 from __future__ import annotations
 
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
@@ -28,3 +30,23 @@ class StepLog:
         line = json.dumps({"event": kind, "rank": self.rank, "restart": self.restart, "time": time.time(), **fields})
         with open(self.path, "a") as f:  # one write of one line: appends from several ranks stay whole
             f.write(line + "\n")
+
+
+@dataclass
+class SaveStats:
+    step: int
+    path: str
+    blocking_s: float  # how long save() held the training loop
+    total_s: float | None = None  # snapshot to published (None while an async save is in flight)
+    bytes: int = 0
+    hash_s: float = 0.0  # checksumming this rank's share of the files
+    done: bool = False
+
+
+@dataclass
+class LoadInfo:
+    step: int
+    path: str
+    world_size: int
+    seconds: float
+    skipped: list[tuple[int, str]] = field(default_factory=list)  # (step, why) of newer unusable ones

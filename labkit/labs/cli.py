@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     rs.add_argument("profile")
     rs.add_argument("--gpus", type=int, default=None, help="GPUs to plan a gpu profile for (default: those found)")
     sub.add_parser("list", help="list the labs")
+    sub.add_parser("port", help="print a TCP port that is free on this host now (for a rendezvous)")
     sub.add_parser("profiles", help="print every lab's profiles")
     f = sub.add_parser("flags", help="print the labkit.train flags of a lab's profile (for batch scripts)")
     f.add_argument("lab")
@@ -49,6 +50,13 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(resolve(args.lab, args.profile, gpus=args.gpus), indent=1))
         except ValueError as e:
             ap.error(str(e))
+        return 0
+    if args.cmd == "port":
+        import socket
+
+        with socket.socket() as s:  # the OS picks a free one; the caller binds it moments later
+            s.bind(("", 0))
+            print(s.getsockname()[1])
         return 0
     if args.cmd == "list":
         print(" ".join(list_labs()))

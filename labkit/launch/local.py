@@ -16,6 +16,7 @@ import gc
 import os
 import pickle
 import queue as queue_mod
+import signal
 import sys
 import time
 import traceback
@@ -40,6 +41,9 @@ class RankError(RuntimeError):
 
 
 def _worker(rank, world_size, device, port, fn, args, kwargs, results, timeout_s, quiet) -> None:
+    # Its own process group: whatever this rank starts (a DataLoader's workers, a subprocess) is killed
+    # with it when launch cleans up, even after the rank itself has exited.
+    os.setpgid(0, 0)
     if quiet:  # libraries' own logging (DeepSpeed's, say) stays out of the notebook
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
@@ -119,54 +123,92 @@ def launch_local(fn: Callable[..., Any], *args: Any, world_size: int = 2, device
     ]
     out: dict[int, Any] = {}
     failures: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
+    started: list = []
+    ok = False
     try:
         for p in procs:
-            p.start()
-        while len(out) + len(failures) < world_size:
             try:
-                rank, ok, value = results.get(timeout=0.5)
-                (out if ok else failures)[rank] = pickle.loads(value) if ok else value
-                if failures:
-                    # Peers of a failed rank usually block in a collective: give them a moment
-                    # to report their own error, then stop waiting.
-                    deadline = min(deadline, time.monotonic() + 5.0)
-                continue
-            except queue_mod.Empty:
-                pass
-            dead = [r for r, p in enumerate(procs) if r not in out and r not in failures
-                    and not p.is_alive() and p.exitcode not in (0, None)]
-            if dead:
-                time.sleep(0.5)  # a result may still be in flight from a rank that died after it
-                while True:
-                    try:
-                        rank, ok, value = results.get_nowait()
-                    except queue_mod.Empty:
-                        break
-                    (out if ok else failures)[rank] = pickle.loads(value) if ok else value
-                for r in dead:
-                    if r not in out and r not in failures:
-                        failures[r] = (f"rank {r} died with exit code {procs[r].exitcode} "
-                                       "before reporting a result (killed, or crashed in native code)")
-            if time.monotonic() > deadline:
-                for r in range(world_size):
-                    if r not in out and r not in failures:
-                        failures[r] = f"rank {r} did not finish within the time allowed (timeout={timeout} s)"
+                p.start()  # spawn pickles fn and its arguments here
+            except Exception as e:  # noqa: BLE001 - said in one line, the others stopped
+                raise TypeError(f"launch(fn={getattr(fn, '__name__', fn)!r}) could not start rank {len(started)}: "
+                                f"{type(e).__name__}: {e} (spawned ranks receive fn and its arguments pickled: "
+                                "pass module-level functions and picklable values)") from e
+            started.append(p)
+        _collect(procs, out, failures, results, timeout)
         if failures:
             raise RankError(failures)
+        ok = True
         return [out[r] for r in range(world_size)]
     finally:
-        for p in procs:
-            p.join(timeout=5.0 if not failures else 0.5)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=2.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _reap(started, not ok)
         results.close()
         del store
+
+
+def _collect(procs: list, out: dict, failures: dict, results: Any, timeout: float) -> None:
+    """Results and failures of every rank, until all reported, one failed (and its peers had a few
+    seconds to report theirs), or ``timeout`` passed."""
+    world_size, t0 = len(procs), time.monotonic()
+    deadline, first_failure = t0 + timeout, None
+
+    def take(rank: int, ok: bool, value: Any) -> None:
+        nonlocal first_failure, deadline
+        (out if ok else failures)[rank] = pickle.loads(value) if ok else value
+        if not ok and first_failure is None:
+            # Peers of a failed rank usually block in a collective: give them a moment to report
+            # their own error, then stop waiting.
+            first_failure = (rank, time.monotonic())
+            deadline = min(deadline, time.monotonic() + 5.0)
+
+    while len(out) + len(failures) < world_size:
+        try:
+            take(*results.get(timeout=0.5))
+            continue
+        except queue_mod.Empty:
+            pass
+        dead = [r for r, p in enumerate(procs) if r not in out and r not in failures
+                and not p.is_alive() and p.exitcode not in (0, None)]
+        if dead:
+            time.sleep(0.5)  # a result may still be in flight from a rank that died after it
+            while True:
+                try:
+                    take(*results.get_nowait())
+                except queue_mod.Empty:
+                    break
+            for r in dead:
+                if r not in out and r not in failures:
+                    failures[r] = (f"rank {r} died with exit code {procs[r].exitcode} "
+                                   "before reporting a result (killed, or crashed in native code)")
+                    first_failure = first_failure or (r, time.monotonic())
+                    deadline = min(deadline, time.monotonic() + 5.0)
+        if time.monotonic() > deadline:
+            for r in range(world_size):
+                if r in out or r in failures:
+                    continue
+                if first_failure is not None:
+                    bad, when = first_failure
+                    failures[r] = (f"rank {r} was stopped {time.monotonic() - when:.1f} s after rank {bad} failed "
+                                   f"({time.monotonic() - t0:.1f} s into the run): it was most likely waiting for "
+                                   f"rank {bad} (in a collective, or for something rank {bad} would have sent)")
+                else:
+                    failures[r] = f"rank {r} did not finish within the time allowed (timeout={timeout} s)"
+
+
+def _reap(procs: list, failed: bool) -> None:
+    """Join, then terminate, then kill every started rank and its process group (what it started too)."""
+    for p in procs:
+        p.join(timeout=5.0 if not failed else 0.5)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=2.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # the rank's group: it is the leader (setpgid in _worker)
+        except (ProcessLookupError, PermissionError):
+            pass  # nothing left in it
 
 
 def init_from_env(device: str | None = None) -> tuple[int, int, torch.device]:

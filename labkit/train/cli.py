@@ -18,6 +18,7 @@ from pathlib import Path
 
 from labkit.core.cli import ArgumentParser
 from labkit.core.model import GPTConfig
+from labkit.fault_tolerance.errors import CheckpointError
 from labkit.fault_tolerance.preemption import REQUEUE_EXIT_CODE
 from labkit.train.config import GROUPS, TrainConfig
 from labkit.train.strategies import STRATEGIES
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rank, world, _ = init_from_env(tc.device)
         result = train(tc, mc, corpus=args["corpus"])
-    except ValueError as e:  # what only this world size cannot do: the same one line on every rank
+    except (ValueError, CheckpointError) as e:  # what this run cannot do: the same one line on every rank
         leave_group(clean=False)
         parser.error(as_flags(str(e)))
     except BaseException:

@@ -83,6 +83,9 @@ class TrainConfig:
                           "memory; write in a background thread")
     resume: bool = _f(True, "checkpointing and preemption", "start from the newest good checkpoint in "
                       "--checkpoint-dir (--no-resume refuses a non-empty one)")
+    restart_if_unusable: bool = _f(False, "checkpointing and preemption", "when --checkpoint-dir holds checkpoints "
+                                   "and none verifies, start from step 0 anyway (default: stop and list them; "
+                                   "nothing is deleted either way)")
     grace_s: float = _f(30.0, "checkpointing and preemption", "seconds from SIGTERM/SIGUSR1 to SIGKILL: finish "
                         "the step, save if it fits, exit 75 (requeue)")
     reserve_s: float = _f(2.0, "checkpointing and preemption", "seconds of --grace-s kept back for leaving "

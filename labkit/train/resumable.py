@@ -57,7 +57,8 @@ class Resumable:
         try:
             from labkit.fault_tolerance.resume import restore
 
-            step, losses, self.notes = restore(self.ckpt, self.meta, *self.objs)
+            step, losses, self.notes = restore(self.ckpt, self.meta, *self.objs,
+                                               if_unusable="start_over" if self.cfg.restart_if_unusable else "raise")
         except BaseException:
             self.ckpt.close()
             raise

@@ -9,13 +9,30 @@
 # launches jobs as their user). On a real cluster none of this is needed: use cluster/slurm/*.sbatch.
 set -euo pipefail
 STATE=${1:?usage: start.sh STATE_DIR}
+[ "$(id -u)" -eq 0 ] || { echo "start.sh: must run as root (slurmd starts jobs as their user)" >&2; exit 2; }
+# The state directory holds the munge key, which mints credentials for any user, root included: it
+# must be new, or an empty directory of root's own, never a link, and nobody else may write in it
+# while the files are written (a link planted in it would make root write where it points).
+umask 077
+if [ -e "$STATE" ] || [ -L "$STATE" ]; then
+  if [ -L "$STATE" ] || [ ! -d "$STATE" ] || [ "$(stat -c %u "$STATE")" != 0 ]; then
+    echo "start.sh: STATE_DIR=$STATE exists and is not a directory owned by root; pass a new path (start.sh creates it)" >&2
+    exit 2
+  fi
+  chmod 700 "$STATE"  # first: from here on only root can add entries
+  if [ -n "$(ls -A "$STATE")" ]; then
+    echo "start.sh: STATE_DIR=$STATE is not empty; pass a new path (start.sh creates it)" >&2
+    exit 2
+  fi
+else
+  mkdir -p -- "$(dirname -- "$STATE")"
+  mkdir -m 700 -- "$STATE"  # fails if someone created it in between
+fi
+STATE=$(cd "$STATE" && pwd -P)
 for bin in munged slurmctld slurmd sinfo; do
   command -v "$bin" >/dev/null || { echo "start.sh: $bin not found; install Debian's slurm-wlm and munge" >&2; exit 2; }
 done
-[ "$(id -u)" -eq 0 ] || { echo "start.sh: must run as root (slurmd starts jobs as their user)" >&2; exit 2; }
-mkdir -p "$STATE" && chmod 700 "$STATE"
-STATE=$(cd "$STATE" && pwd)
-mkdir -p "$STATE/ctld" "$STATE/spool/n1" "$STATE/spool/n2"
+mkdir "$STATE/ctld" "$STATE/spool" "$STATE/spool/n1" "$STATE/spool/n2"
 # Ports from the state directory's name, so two clusters on one machine do not collide.
 BASE=$(( 20000 + $(printf '%s' "$STATE" | cksum | cut -d' ' -f1) % 20000 ))
 CPUS=$(nproc)
