@@ -337,20 +337,23 @@ def _job(tmp_path, strategy: str, faults: list[tuple[str, int]]) -> tuple[list[F
                                    shutdown_timeout=10, timeout_s=400)
 
 
-FAULTS = {"ddp": [("SIGKILL", 1), ("SIGTERM", 0)], "fsdp": [("SIGTERM", 1), ("SIGKILL", 0)],
-          "tp": [("SIGKILL", 0), ("SIGTERM", 1)], "pp": [("SIGTERM", 0), ("SIGKILL", 1)]}
+# DDP and FSDP meet the same kills in the fault-tolerance lab (FSDP, async saves, under torchrun) and
+# in tests/test_slurm.py (DDP on 2 nodes x 2 ranks, requeued); here the model-parallel strategies.
+FAULTS = {"tp": [("SIGKILL", 0), ("SIGTERM", 1)], "pp": [("SIGTERM", 0), ("SIGKILL", 1)]}
 
 
 def test_resume_is_bit_exact_after_kills_under_torchrun(tmp_path):
-    """DDP, FSDP (async saves), tensor parallelism (DCP saves DTensor shards) and pipeline parallelism
-    (each stage saves its own part, async) under torchrun --max-restarts 2, each hit by a SIGKILL and a
-    SIGTERM at random steps, end bit-identical to uninterrupted runs. The jobs and the reference run at
-    the same time: most of their time is interpreters starting."""
+    """Tensor parallelism (DCP saves DTensor shards) and pipeline parallelism (each stage saves its own
+    part, async) under torchrun --max-restarts 2, each hit by a SIGKILL and a SIGTERM at random steps,
+    end bit-identical to uninterrupted runs. The jobs and the reference run at the same time: most of
+    their time is interpreters starting. DDP and FSDP checkpoints of 2 ranks then resume in one process."""
+    dp_runs = [TrainConfig(strategy=s, checkpoint_dir=str(tmp_path / s), async_save=s == "fsdp", **BASE)
+               for s in ("ddp", "fsdp")]
     with ThreadPoolExecutor(len(FAULTS) + 1) as pool:
         ref = pool.submit(launch, train_many, [TrainConfig(strategy=s, return_params=True, **BASE)
-                                               for s in FAULTS], MODEL, world_size=2)
+                                               for s in FAULTS] + dp_runs, MODEL, world_size=2)
         jobs = {s: pool.submit(_job, tmp_path, s, faults) for s, faults in FAULTS.items()}
-        reference = {r["strategy"]: r for r in ref.result()[0]}
+        reference = {r["strategy"]: r for r in ref.result()[0][:len(FAULTS)]}
         for strategy, job in jobs.items():
             points, out = job.result()
             assert out["returncodes"] == [0], out["output_tail"]

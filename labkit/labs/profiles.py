@@ -58,7 +58,7 @@ PROFILES: dict[str, dict[str, dict]] = {
         "cpu": dict(device="cpu", sizes=[[2, 64, 2], [4, 128, 4], [6, 192, 6]], block_size=128,
                     micro_batch=8, mp_steps=60, mp_batch_size=16, mp_lr=1e-3, fake_7b_ranks=8, seed=0),
         "ci": dict(device="cpu", sizes=[[2, 64, 2], [2, 128, 4], [3, 192, 6]], block_size=64,
-                   micro_batch=4, mp_steps=30, mp_batch_size=8, mp_lr=1e-3, fake_7b_ranks=8, seed=0),
+                   micro_batch=4, mp_steps=16, mp_batch_size=8, mp_lr=1e-3, fake_7b_ranks=8, seed=0),
         # GPT-2 small's to large's shapes at context 1024 on one GPU, with the CUDA allocator's peak too.
         "gpu": dict(device="cuda", sizes=[[12, 768, 12], [24, 1024, 16], [36, 1280, 20]], block_size=1024,
                     micro_batch=8, mp_steps=300, mp_batch_size=16, mp_lr=3e-4, fake_7b_ranks=8, seed=0),
