@@ -22,9 +22,17 @@ def test_time_and_price():
 
 
 def test_preemption_rates_of_the_seed_scenario():
-    # 5-15% per instance per day on 100 nodes: one preemption every few hours
+    # 5-15% as a rate per instance per day on 100 nodes: one preemption every few hours
     lo, hi = cost.cluster_mtbf_hours(100, 0.15), cost.cluster_mtbf_hours(100, 0.05)
     assert lo == pytest.approx(1.6) and hi == pytest.approx(4.8)
+    # the bands as published: the share interrupted over a month (AWS) or a day, as Poisson rates
+    assert cost.preemptions_per_day(0.15, "day") == pytest.approx(-math.log(0.85))
+    assert cost.preemptions_per_day(0.15, "month") == pytest.approx(-math.log(0.85) / 30)
+    assert cost.cluster_mtbf_hours(100, cost.preemptions_per_day(0.15, "month")) == pytest.approx(44.3, abs=0.05)
+    with pytest.raises(ValueError, match=r"period='week' is unknown; valid periods: \['day', 'month'\]"):
+        cost.preemptions_per_day(0.1, "week")
+    with pytest.raises(ValueError, match=r"share must be in \(0, 1\)"):
+        cost.preemptions_per_day(15, "month")
 
 
 def test_young_daly_is_near_the_minimum_of_expected_time():

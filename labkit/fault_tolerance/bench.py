@@ -99,6 +99,30 @@ def torn_single_file(path: str | os.PathLike, numel: int, trials: int, rng: rand
     return torn
 
 
+def torch_save_crc_unchecked(path: str | os.PathLike, numel: int = 1 << 12) -> dict:
+    """``torch.save`` writes a zip archive, and zip stores a CRC-32 of every record; ``torch.load`` never
+    checks it. One bit flipped in the tensor data: what ``torch.load`` returns, and what the zip's own
+    check (``zipfile.ZipFile.testzip``) says of the same file."""
+    import zipfile
+
+    path = Path(path)
+    w = torch.arange(numel, dtype=torch.float32)
+    torch.save({"w": w}, path)
+    with zipfile.ZipFile(path) as z:
+        record = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+    raw = bytearray(path.read_bytes())
+    # the local header (30 bytes, then the name and an extra field of its own length) precedes the data
+    name_len, extra_len = (int.from_bytes(raw[record.header_offset + k:record.header_offset + k + 2], "little")
+                           for k in (26, 28))
+    start = record.header_offset + 30 + name_len + extra_len
+    raw[start + record.compress_size // 2] ^= 0x10  # one bit in the middle of the tensor bytes
+    path.write_bytes(raw)
+    back = torch.load(path, weights_only=True)["w"]
+    with zipfile.ZipFile(path) as z:
+        bad = z.testzip()
+    return {"torch_load_values_changed": int((back != w).sum()), "zip_crc_names_the_record": bad}
+
+
 def _flip_one_bit(directory: Path) -> None:
     data_file = next(directory.glob("*.distcp"))
     raw = bytearray(data_file.read_bytes())

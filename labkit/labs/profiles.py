@@ -88,9 +88,13 @@ PROFILES: dict[str, dict[str, dict]] = {
     },
     "strategy_cost": {
         # write_minutes, restart_minutes: what one checkpoint and one restart cost (assumptions)
+        # interrupted_share, share_periods: the published 5-15% bands, read both ways (per month as AWS's
+        # Spot Instance Advisor means them, per day); article_lost: the popular article's figure for
+        # the preemption at hour 14 (its arithmetic is checked against its own run, not assumed)
         "cpu": dict(tokens=1e12, target_days=30, mfu=0.4, run_cost=18000.0, run_hours=24.0, hours_in=14.0,
-                    preemptions_per_instance_per_day=[0.05, 0.15], instances=100,
-                    checkpoint_minutes=[10, 30, 60], write_minutes=2.0, restart_minutes=10.0),
+                    interrupted_share=[0.05, 0.15], share_periods=["month", "day"], instances=100,
+                    article_lost=17250.0, checkpoint_minutes=[10, 30, 60], write_minutes=2.0,
+                    restart_minutes=10.0),
     },
     "input_pipeline": {
         # threads=1: with DataLoader workers on 2 cores, a 2-thread step fights them for the cores.
@@ -134,9 +138,9 @@ PROFILES: dict[str, dict[str, dict]] = {
 # Pure arithmetic: no profile changes what it computes, but every lab answers to the same names.
 PROFILES["strategy_cost"]["ci"] = PROFILES["strategy_cost"]["gpu"] = PROFILES["strategy_cost"]["cpu"]
 # Fault tolerance: a torchrun job killed and preempted on purpose, checkpoint costs, the $18,000 run.
-_SPOT = dict(run_cost=18000.0, run_hours=24.0, hours_in=14.0, instances=100,
-             preemptions_per_instance_per_day=[0.05, 0.15], checkpoint_minutes=2.0, restart_minutes=10.0,
-             notice_s=30.0, naive_numel=1 << 21, naive_trials=30)
+_SPOT = dict(run_cost=18000.0, run_hours=24.0, hours_in=14.0, instances=100, interrupted_share=[0.05, 0.15],
+             share_periods=["month", "day"], checkpoint_minutes=2.0, restart_minutes=10.0,
+             notice_s=30.0, naive_numel=1 << 21, naive_trials=30)  # notice_s: Google Cloud's and Azure's
 PROFILES["fault_tolerance"] = {
     "cpu": dict(device="cpu", world_size=2, strategy="fsdp", steps=40, batch_size=8, lr=3e-3, seed=0, n_layer=2,
                 n_head=2, n_embd=64, block_size=64, dropout=0.1, save_every=5, async_save=True, grace_s=30, fault_seed=0,

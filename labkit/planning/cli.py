@@ -19,7 +19,7 @@ from labkit.memory.calculator import (
 )
 from labkit.planning.accelerators import ACCELERATORS
 from labkit.planning.choose import choose_strategy
-from labkit.planning.cost import price_run
+from labkit.planning.cost import DEFAULT_PREEMPTIONS_PER_DAY, price_run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", default="none", choices=list(RECOMPUTE))
     p.add_argument("--tokens", type=float, default=None, help="training tokens, to price the run")
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation you expect")
-    p.add_argument("--preemptions-per-day", type=float, default=0.1,
-                   help="spot preemptions per 8-GPU instance per day")
+    p.add_argument("--preemptions-per-day", type=float, default=DEFAULT_PREEMPTIONS_PER_DAY,
+                   help="spot preemptions per 8-GPU instance per day (default: 10%% of instances interrupted "
+                        "a month, the middle of AWS's bands; labkit.planning.cost.preemptions_per_day converts a band)")
     return p
 
 

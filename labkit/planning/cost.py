@@ -66,6 +66,25 @@ def training_hours(flops: float, n_devices: int, peak_tflops: float, mfu: float)
     return positive_number("flops", flops) / (n * positive_number("peak_tflops", peak_tflops) * 1e12 * mfu) / 3600.0
 
 
+# How many days a published interruption band covers. AWS's Spot Instance Advisor lists, per instance
+# type and region, bands of "frequency of interruption" (<5%, 5-10%, 10-15%, 15-20%, >20%): the share
+# of instances interrupted over the trailing month. Read as a share per day, the same band means 30
+# times as many preemptions, and every conclusion drawn from it changes.
+SHARE_PERIOD_DAYS = {"day": 1.0, "month": 30.0}
+
+
+def preemptions_per_day(share: float, period: str = "month") -> float:
+    """The per-instance preemption rate per day of a band "``share`` of instances interrupted over
+    ``period``", as a Poisson process: ``-ln(1 - share) / days``."""
+    if not 0 < share < 1:
+        raise ValueError(f"share must be in (0, 1), the fraction of instances interrupted; got {share!r}")
+    return -math.log1p(-share) / SHARE_PERIOD_DAYS[one_of("period", period, SHARE_PERIOD_DAYS, "periods")]
+
+
+# The planners' assumption when none is given: 10% of instances a month, the middle of AWS's bands.
+DEFAULT_PREEMPTIONS_PER_DAY = preemptions_per_day(0.10, "month")
+
+
 def cluster_mtbf_hours(n_instances: int, preemptions_per_instance_per_day: float) -> float:
     """Mean hours between preemptions anywhere in a job of ``n_instances`` (any one stops it)."""
     rate = _count("n_instances", n_instances) * positive_number(
@@ -138,7 +157,7 @@ class RunCost:
 
 def price_run(n_params: float, tokens: float, n_devices: int, device_name: str, mfu: float = 0.4,
               recompute: str = "none", devices_per_instance: int = 8,
-              preemptions_per_instance_per_day: float = 0.1, checkpoint_minutes: float = 5.0,
+              preemptions_per_instance_per_day: float = DEFAULT_PREEMPTIONS_PER_DAY, checkpoint_minutes: float = 5.0,
               restart_minutes: float = 10.0) -> RunCost:
     """Compute, time and money of a run, on demand and on spot with Young-interval checkpoints."""
     dev = accelerator(device_name)
