@@ -73,7 +73,8 @@ def test_every_train_flag_has_help_in_a_group():
 
 
 @pytest.mark.parametrize("argv", [["--devices", "0"], ["--micro-batch", "-1"], ["--seq-len", "0"], ["--mfu", "2"],
-                                  ["--tokens", "-1"], ["--preemptions-per-day", "0"], ["--model", "gpt9"],
+                                  ["--tokens", "-1"], ["--preemptions-per-day", "0"], ["--model", "gpt9"], ["--hfu", "2"],
+                                  ["--mfu", "0.4", "--hfu", "0.5"],
                                   ["--device-type", "tpu"], ["--precision", "fp8"], ["--recompute", "half"]])
 def test_memory_cli_bad_values_are_one_line_before_any_output(capsys, argv):
     _one_line_error(capsys, memory_main, argv)

@@ -92,3 +92,15 @@ def test_min_devices():
 def test_bad_input_is_named(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_mfu_charges_the_model_and_hfu_the_hardware():
+    """Chowdhery et al. 2022: MFU divides the model's 6ND by peak; recomputation is hardware work (HFU)."""
+    plain = cost.price_run(7e9, 1e12, 64, "h100-80gb", mfu=0.4)
+    full = cost.price_run(7e9, 1e12, 64, "h100-80gb", mfu=0.4, recompute="full")
+    assert full.hours == pytest.approx(plain.hours) and full.model_flops == plain.model_flops == 6 * 7e9 * 1e12
+    assert full.flops == 8 * 7e9 * 1e12 and full.hfu == pytest.approx(0.4 * 8 / 6) and plain.hfu == 0.4
+    at_hfu = cost.price_run(7e9, 1e12, 64, "h100-80gb", hfu=0.4, recompute="full")
+    assert at_hfu.hours == pytest.approx(plain.hours * 8 / 6) and at_hfu.mfu == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="give mfu=0.4 or hfu=0.5, not both"):
+        cost.price_run(7e9, 1e12, 64, "h100-80gb", mfu=0.4, hfu=0.5)

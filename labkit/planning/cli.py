@@ -32,7 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="mixed", choices=list(BYTES_PER_PARAM))
     p.add_argument("--recompute", default="none", choices=list(RECOMPUTE))
     p.add_argument("--tokens", type=float, default=None, help="training tokens, to price the run")
-    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation you expect")
+    p.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation you expect: of the model's "
+                   "6ND, recomputation not counted (default 0.4)")
+    p.add_argument("--hfu", type=float, default=None, help="or hardware FLOPs utilisation: of every FLOP the "
+                   "devices run, 8ND with --recompute full")
     p.add_argument("--preemptions-per-day", type=float, default=DEFAULT_PREEMPTIONS_PER_DAY,
                    help="spot preemptions per 8-GPU instance per day (default: 10%% of instances interrupted "
                         "a month, the middle of AWS's bands; labkit.planning.cost.preemptions_per_day converts a band)")
@@ -45,7 +48,11 @@ def _check(a) -> None:
     positive_int("--micro-batch", a.micro_batch)
     if a.seq_len is not None:
         positive_int("--seq-len", a.seq_len)
-    fraction("--mfu", a.mfu, low_open=True)
+    for flag in ("mfu", "hfu"):
+        if getattr(a, flag) is not None:
+            fraction(f"--{flag}", getattr(a, flag), low_open=True)
+    if a.mfu is not None and a.hfu is not None:
+        raise ValueError("--mfu and --hfu: give one; the other follows from it and --recompute")
     if a.tokens is not None:
         positive_number("--tokens", a.tokens)
     positive_number("--preemptions-per-day", a.preemptions_per_day)
@@ -61,7 +68,7 @@ def _plan(a) -> dict:
     price = None
     if a.tokens:
         price = price_run(shape.n_params, a.tokens, a.devices, a.device_type, a.mfu, a.recompute,
-                          preemptions_per_instance_per_day=a.preemptions_per_day)
+                          preemptions_per_instance_per_day=a.preemptions_per_day, hfu=a.hfu)
     return {"shape": shape, "device": dev, "stages": stages, "recommendation": rec, "price": price}
 
 
@@ -82,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nrecommended: {rec.strategy or 'nothing fits'}\n  {rec.reason}")
     print(f"rule of thumb says {rec.rule_of_thumb}" + ("" if rec.rule_fits else " (which does not fit here)"))
     if c is not None:
-        print(f"\n{c.flops:.3g} FLOPs at {a.mfu:.0%} MFU: {c.hours:,.0f} h on {a.devices} devices "
-              f"({c.gpu_hours:,.0f} GPU-hours)")
+        print(f"\n{c.model_flops:.3g} model FLOPs ({c.flops:.3g} run, with recomputation) at {c.mfu:.0%} MFU "
+              f"({c.hfu:.0%} HFU): {c.hours:,.0f} h on {a.devices} devices ({c.gpu_hours:,.0f} GPU-hours)")
         print(f"  on demand ${c.cost_on_demand:,.0f} at ${dev.price_on_demand}/GPU-h (assumed)")
         print(f"  spot ${c.cost_spot:,.0f} at ${dev.price_spot}/GPU-h (assumed): a preemption every "
               f"{c.mtbf_hours:.1f} h, checkpoints every {c.checkpoint_interval_hours * 60:.0f} min, "

@@ -3,8 +3,11 @@
 * Training compute is about 6ND FLOPs for N parameters and D tokens: 2ND for the forward pass and
   4ND for the backward (Kaplan et al. 2020, section 2.1; Hoffmann et al. 2022). Full activation
   recomputation adds one forward pass, 8ND (Korthikanti et al. 2022, section 5).
-* Time is compute over delivered throughput: devices x peak FLOP/s x model FLOPs utilisation
-  (MFU, Chowdhery et al. 2022, appendix B), which the user supplies.
+* Time is compute over delivered throughput. Model FLOPs utilisation (MFU, Chowdhery et al. 2022,
+  appendix B) divides the FLOPs the *model* needs, 6ND, by what the devices could do; recomputation
+  does not count. Hardware FLOPs utilisation (HFU) counts every FLOP the devices run, 8ND with full
+  recomputation. At the same hardware efficiency full recomputation keeps HFU and lowers MFU to
+  6/8 of it. :func:`price_run` takes either; the other follows.
 * Preemptions arrive as a Poisson process. With checkpoints every tau hours that take C hours to
   write, a restart that takes R hours and a mean time between failures M, the expected wall time
   of W hours of work is (W/tau) (M + R) (exp((tau + C)/M) - 1) (Daly 2006, eq. 9 with segments
@@ -145,7 +148,10 @@ def checkpoint_plan(work_hours: float, mtbf_hours: float, checkpoint_hours: floa
 class RunCost:
     devices: int
     device: str
-    flops: float
+    flops: float  # what the devices run: 6ND, or 8ND with full recomputation (hardware FLOPs)
+    model_flops: float  # what the model needs, 6ND, whatever is recomputed
+    mfu: float
+    hfu: float
     hours: float
     gpu_hours: float
     cost_on_demand: float
@@ -155,20 +161,31 @@ class RunCost:
     mtbf_hours: float
 
 
-def price_run(n_params: float, tokens: float, n_devices: int, device_name: str, mfu: float = 0.4,
+def price_run(n_params: float, tokens: float, n_devices: int, device_name: str, mfu: float | None = None,
               recompute: str = "none", devices_per_instance: int = 8,
               preemptions_per_instance_per_day: float = DEFAULT_PREEMPTIONS_PER_DAY, checkpoint_minutes: float = 5.0,
-              restart_minutes: float = 10.0) -> RunCost:
-    """Compute, time and money of a run, on demand and on spot with Young-interval checkpoints."""
+              restart_minutes: float = 10.0, hfu: float | None = None) -> RunCost:
+    """Compute, time and money of a run, on demand and on spot with Young-interval checkpoints.
+
+    Give the utilisation as ``mfu`` (of the model's 6ND; default 0.4) or as ``hfu`` (of every FLOP the
+    devices run, recomputation included): with full recomputation, the same ``hfu`` takes 4/3 as long."""
     dev = accelerator(device_name)
-    flops = training_flops(n_params, tokens, recompute)
-    hours = training_hours(flops, n_devices, dev.peak_bf16_tflops, mfu)
+    flops, model_flops = training_flops(n_params, tokens, recompute), training_flops(n_params, tokens)
+    if mfu is not None and hfu is not None:
+        raise ValueError(f"give mfu={mfu!r} or hfu={hfu!r}, not both: each follows from the other and recompute")
+    if hfu is not None:
+        hours = training_hours(flops, n_devices, dev.peak_bf16_tflops, hfu)
+        mfu = hfu * model_flops / flops
+    else:
+        mfu = 0.4 if mfu is None else mfu
+        hours = training_hours(model_flops, n_devices, dev.peak_bf16_tflops, mfu)
+        hfu = mfu * flops / model_flops
     instances = math.ceil(_count("n_devices", n_devices) / _count("devices_per_instance", devices_per_instance))
     mtbf = cluster_mtbf_hours(instances, preemptions_per_instance_per_day)
     c, r = checkpoint_minutes / 60.0, restart_minutes / 60.0
     tau = young_daly_interval_hours(c, mtbf) if c > 0 else hours
     spot_hours = expected_wall_hours(hours, mtbf, tau, c, r)
-    return RunCost(n_devices, device_name, flops, hours, hours * n_devices,
+    return RunCost(n_devices, device_name, flops, model_flops, mfu, hfu, hours, hours * n_devices,
                    hours * n_devices * dev.price_on_demand, spot_hours * n_devices * dev.price_spot,
                    spot_hours, tau, mtbf)
 
