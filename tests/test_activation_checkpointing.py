@@ -13,7 +13,7 @@ from labkit.core.model import GPTConfig, build_model
 from labkit.train import TrainConfig, train, train_many
 
 CFG = GPTConfig(n_layer=4, block_size=128)
-POLICIES = ["none", "full", "every:2", "every:3", "selective"]
+POLICIES = ["none", "full", "every:2", "every:3", "selective", "selective:alternate"]
 
 
 def _batch(cfg, b=2):
@@ -52,8 +52,28 @@ def test_selective_adds_at_most_5_percent_flops_and_saves_memory():
     assert full["saved_bytes"] < sel["saved_bytes"]
 
 
+def test_alternate_selective_recomputes_every_second_matmul():
+    """torchtitan's op-level policy: between saving every matmul's output and recomputing the block.
+    Each block runs 4 matmuls (QKV, attention projection, MLP in and out). Marking the 2nd and 4th for
+    recomputation drops two b x s x h outputs, but only the projection's is recomputed: its output
+    feeds the residual that the second LayerNorm's backward needs, while nothing in backward needs
+    the MLP's last output, and PyTorch's recomputation stops once it has what backward needs."""
+    x, y = _batch(CFG)
+    sel = measure_step(apply(build_model(CFG), "selective"), x, y, repeats=1)
+    alt = measure_step(apply(build_model(CFG), "selective:alternate"), x, y, repeats=1)
+    full = measure_step(apply(build_model(CFG), "full"), x, y, repeats=1)
+    assert full["saved_bytes"] < alt["saved_bytes"] < sel["saved_bytes"]
+    assert sel["flops"] < alt["flops"] < full["flops"]
+    b, s, h = x.shape[0], CFG.block_size, CFG.n_embd
+    # the two recomputed outputs: attention projection (b s h) and MLP down projection (b s h), fp32
+    assert sel["saved_bytes"] - alt["saved_bytes"] == CFG.n_layer * 2 * b * s * h * 4
+    # the attention projection once more: 2 b s h^2 per layer
+    assert alt["flops"] - sel["flops"] == CFG.n_layer * 2 * b * s * h * h
+
+
 @pytest.mark.parametrize("policy, match", [
-    ("fast", r"policy='fast' is unknown; valid policies: \['none', 'full', 'every:k', 'selective'\]"),
+    ("fast", r"policy='fast' is unknown; valid policies: \['none', 'full', 'every:k', 'selective', "
+             r"'selective:alternate'\]"),
     ("every:0", "k in 'every:k' must be a positive integer"),
     ("every:x", "k in 'every:k' must be a positive integer"),
     (None, "policy=None is unknown"),

@@ -96,6 +96,11 @@ def test_activation_checkpointing_lab_metrics(lab_metrics):
             assert r["mem_ratio"] < 0.35 and 1.1 < r["flop_ratio"] <= 4 / 3
         if r["policy"] == "selective":
             assert r["mem_ratio"] < 1.0 and r["flop_ratio"] <= 1.05
+    for depth, s in {(r["depth"], r["seq_len"]) for r in m["sweep"]}:  # torchtitan's policy sits between
+        row = {r["policy"]: r for r in m["sweep"] if (r["depth"], r["seq_len"]) == (depth, s)}
+        sel, alt, full = row["selective"], row["selective:alternate"], row["full"]
+        assert full["mem_ratio"] < alt["mem_ratio"] < sel["mem_ratio"]
+        assert sel["flop_ratio"] < alt["flop_ratio"] < full["flop_ratio"]
     for row in m["per_layer"]:
         assert row["full"] == row["formula_full"]
         assert abs(row["none"] / row["formula_none"] - 1) < 0.01

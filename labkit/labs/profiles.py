@@ -65,13 +65,13 @@ PROFILES: dict[str, dict[str, dict]] = {
     },
     "activation_checkpointing": {
         "cpu": dict(device="cpu", seq_lens=[128, 256, 512], depths=[2, 4], n_embd=128, n_head=4,
-                    micro_batch=4, policies=["none", "every:2", "selective", "full"], repeats=7,
+                    micro_batch=4, policies=["none", "every:2", "selective", "selective:alternate", "full"], repeats=7,
                     budget_model="llama2-7b", budget_devices=8, budget_gb=80.0, seed=0),
         "ci": dict(device="cpu", seq_lens=[128, 256], depths=[2, 4], n_embd=64, n_head=2,
-                   micro_batch=4, policies=["none", "every:2", "selective", "full"], repeats=7,
+                   micro_batch=4, policies=["none", "every:2", "selective", "selective:alternate", "full"], repeats=7,
                    budget_model="llama2-7b", budget_devices=8, budget_gb=80.0, seed=0),
         "gpu": dict(device="cuda", seq_lens=[1024, 2048, 4096], depths=[12, 24], n_embd=1024, n_head=16,
-                    micro_batch=4, policies=["none", "every:2", "selective", "full"], repeats=7,
+                    micro_batch=4, policies=["none", "every:2", "selective", "selective:alternate", "full"], repeats=7,
                     budget_model="llama2-7b", budget_devices=8, budget_gb=80.0, seed=0),
     },
     "zero_fsdp": {

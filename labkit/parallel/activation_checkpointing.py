@@ -11,8 +11,10 @@ checkpointed segments and re-run each segment's forward during backward. Policie
   schedule instead checkpoints segments of several consecutive layers as one unit.)
 * ``"selective"``: inside every block, keep the outputs of the compute-heavy ops (matmuls and the
   fused attention kernel) and recompute the cheap element-wise ones (LayerNorm, GELU, residual
-  adds), as Korthikanti et al. 2022 recompute the cheap-to-compute, expensive-to-store parts; the
-  op list follows torchtitan's op-level selective checkpointing.
+  adds), as Korthikanti et al. 2022 recompute the cheap-to-compute, expensive-to-store parts.
+* ``"selective:alternate"``: the same, but every second matmul of a block is recomputed too: the
+  op-level policy torchtitan ships (its ``_op_sac_save_list`` with the ``mm`` count), half way
+  between keeping every matmul output and recomputing the block.
 
 Implemented with PyTorch's own machinery: non-reentrant ``torch.utils.checkpoint.checkpoint`` and
 ``create_selective_checkpoint_contexts``. The block's ``forward`` is replaced on the instance rather
@@ -32,7 +34,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-POLICIES = ("none", "full", "every:k", "selective")
+POLICIES = ("none", "full", "every:k", "selective", "selective:alternate")
 _aten = torch.ops.aten
 # Outputs worth keeping: expensive to recompute, and for attention the fused kernels' outputs.
 SAVE_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.linear.default,
@@ -40,6 +42,7 @@ SAVE_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.line
             _aten._scaled_dot_product_efficient_attention.default,
             _aten._scaled_dot_product_cudnn_attention.default,
             _aten._scaled_dot_product_flash_attention_for_cpu.default}
+MATMULS = {_aten.mm.default, _aten.addmm.default}  # what the linear layers run as
 
 
 def parse_policy(policy: str) -> tuple[str, int]:
@@ -49,6 +52,8 @@ def parse_policy(policy: str) -> tuple[str, int]:
         if not k.isdigit() or int(k) < 1:
             raise ValueError(f"policy={policy!r}: k in 'every:k' must be a positive integer, e.g. 'every:2'")
         return "every", int(k)
+    if policy == "selective:alternate":
+        return "alternate", 1
     if policy not in ("none", "full", "selective"):
         raise ValueError(f"policy={policy!r} is unknown; valid policies: {list(POLICIES)} (e.g. 'every:2')")
     return policy, 1
@@ -58,9 +63,24 @@ def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _checkpointed_forward(original, selective: bool, *args, **kwargs):
-    context_fn = (functools.partial(create_selective_checkpoint_contexts, _selective_policy)
-                  if selective else None)
+def _alternate_contexts():
+    """Save every first matmul and recompute every second, counted separately in forward and in the
+    recomputation, so that both make the same choice for the same op (torchtitan's op-level policy)."""
+    seen = {False: 0, True: 0}  # matmuls met, by ctx.is_recompute
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in MATMULS:
+            seen[ctx.is_recompute] += 1
+            if seen[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return _selective_policy(ctx, op)
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _checkpointed_forward(original, kind: str, *args, **kwargs):
+    context_fn = {"selective": functools.partial(create_selective_checkpoint_contexts, _selective_policy),
+                  "alternate": _alternate_contexts}.get(kind)
     extra = {"context_fn": context_fn} if context_fn else {}
     return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
@@ -71,8 +91,8 @@ def _deepspeed_checkpoint(kind: str):
         checkpointing as ds_checkpointing,
     )
 
-    if kind == "selective":
-        raise ValueError("policy='selective' has no DeepSpeed equivalent (DeepSpeed checkpoints whole "
+    if kind in ("selective", "alternate"):
+        raise ValueError(f"policy={kind!r} (op level) has no DeepSpeed equivalent (DeepSpeed checkpoints whole "
                          "segments); use backend='torch' for it, or 'full' / 'every:k' with DeepSpeed")
     if not deepspeed.comm.is_initialized():
         raise RuntimeError("backend='deepspeed' needs DeepSpeed's process group: call "
@@ -98,6 +118,6 @@ def apply(model: nn.Module, policy: str, backend: str = "torch") -> nn.Module:
         if ds_checkpoint is not None:  # reentrant, as DeepSpeed's is: the block input needs grad
             block.forward = functools.partial(ds_checkpoint, block.forward)
         else:
-            block.forward = functools.partial(_checkpointed_forward, block.forward, kind == "selective")
+            block.forward = functools.partial(_checkpointed_forward, block.forward, kind)
         block._labkit_checkpoint = policy
     return model

@@ -70,7 +70,8 @@ class TrainConfig:
     precision: str = _f("fp32", "precision and memory", "fp32; bf16 or fp16 autocast with fp32 weights "
                         "(fp16 adds loss scaling)", TRAIN_PRECISIONS)
     activation_checkpointing: str = _f("none", "precision and memory", "recompute in backward: none, full, "
-                                       "every:k (every k-th block) or selective (op level)")
+                                       "every:k (every k-th block), selective (op level: keep every matmul's output) or "
+                                       "selective:alternate (keep every second one, as torchtitan)")
     tf32: bool = _f(False, "precision and memory", "cuda: fp32 matmuls on tensor cores in TF32 (10-bit mantissa)")
     deterministic: bool = _f(False, "precision and memory", "deterministic algorithms only (and cuBLAS's fixed "
                              "workspace): bit-exact reruns and resumes on GPUs too, at some speed")
