@@ -82,3 +82,18 @@ def test_readme_and_intro_map_every_chapter_to_its_lab_and_sub_package():
             assert any(lab in r for r in rows), (doc.name, lab)
         named = {m for r in rows for m in re.findall(r"labkit\.(\w+)", r)}
         assert named <= packages | {"memory", "train"}, named - packages
+
+
+# The names the book and README teach; where a module moved, its old path re-exports it.
+TAUGHT = {"labkit.launch": ["launch"], "labkit.fault_tolerance": ["Checkpointer", "CheckpointError"],
+          "labkit.packing": ["pack"], "labkit.memory": ["zero_model_state_bytes", "activation_bytes_per_layer"],
+          "labkit.activation_checkpointing": ["apply"], "labkit.model": ["GPT", "GPTConfig"],
+          "labkit.train": ["TrainConfig", "train", "main"]}
+
+
+@pytest.mark.parametrize("module", sorted(TAUGHT))
+def test_the_names_the_book_teaches_stay_importable(module):
+    import importlib
+
+    mod = importlib.import_module(module)
+    assert all(callable(getattr(mod, name)) for name in TAUGHT[module]), module

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,3 +163,18 @@ def test_the_gpu_model_is_named_by_what_it_has():
                                    block_size=p["block_size"]))
     assert 85.5e6 < n < 86.5e6  # GPT-2 small's shape with a 256-byte vocabulary, not its 124 M
     assert "85.9 M parameters, not GPT-2's 124 M" in " ".join(sys.modules["labkit.labs.profiles"].__doc__.split())
+
+
+def test_training_needs_no_tqdm_on_a_bare_gpu_image():
+    """A GPU image with CUDA torch and little else: without tqdm the loop trains, with no bar."""
+    code = ("import sys; sys.modules['tqdm'] = None\n"
+            "from labkit.core.model import GPTConfig\nfrom labkit.train import TrainConfig, train\n"
+            "r = train(TrainConfig(steps=2, progress=True), GPTConfig(block_size=16))\nprint(len(r['loss']))")
+    proc = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "2", proc.stderr[-2000:]
+
+
+def test_make_gpu_check_is_the_same_command():
+    proc = subprocess.run(["make", "-s", "gpu-check"], capture_output=True, text=True, timeout=120,
+                          env={**ENV, "MAKEFLAGS": ""}, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode != 0 and "no CUDA GPU is visible" in proc.stderr and "Traceback" not in proc.stderr

@@ -17,8 +17,8 @@ counts as busy. The report puts that busy share beside the throughput of useful 
 
 :func:`analytic_wait_fraction` is the steady state of a loader with known costs, the bound the
 tests hold the measurement to. The workload datasets the lab starves and un-starves the model with
-live in :mod:`labkit.pipeline_data`; the background prefetcher that takes loading off the
-critical path, in :mod:`labkit.prefetch`.
+live in :mod:`labkit.feeding.workloads`; the background prefetcher that takes loading off the
+critical path, in :mod:`labkit.feeding.prefetch`.
 """
 from __future__ import annotations
 
@@ -31,10 +31,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from labkit.core.checks import non_negative_int, one_of, positive_int
 from labkit.core.devices import DEVICE_TYPES
+from labkit.core.progress import tqdm
 from labkit.feeding.prefetch import batch_tensors, to_device
 
 # TensorFlow profiler, op_stats_to_input_pipeline_analysis.cc: 5% and 20% of step time.

@@ -22,7 +22,6 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from labkit.comm.counter import CommCounter, ring_volume
 from labkit.core.data import get_batch, load_corpus, train_val_split
@@ -33,6 +32,7 @@ from labkit.core.devices import (
     synchronize,
 )
 from labkit.core.model import GPT, GPTConfig, build_model
+from labkit.core.progress import tqdm
 from labkit.fault_tolerance.rng import seed_rngs
 from labkit.train import instruments
 from labkit.train.config import TrainConfig
