@@ -70,9 +70,13 @@ def test_strategy_cost_lab_metrics(lab_metrics):
     m = lab_metrics["strategy_cost"]
     verdicts = {(r["model"], r["devices"]): r["verdict"] for r in m["rule_table"]}
     assert verdicts[("gpt2-124m", "8 x a100-80gb")] == "agree"
-    assert verdicts[("gpt3-1.3b", "8 x a100-80gb")] == "rule runs out of memory"
+    # activations, not parameters: DDP is right for a 1.3B model at 16k tokens, in micro-batches of one
+    assert verdicts[("gpt3-1.3b", "8 x a100-80gb")].startswith("right sharding, but runs out of memory")
     assert verdicts[("llama2-70b", "8 x a100-80gb")].startswith("right sharding")
-    assert verdicts[("llama2-7b", "64 x a100-80gb")] == "rule over-shards"
+    assert verdicts[("llama2-7b", "64 x a100-80gb")].startswith("rule over-shards")
+    # on H100s a 13B model on 64 GPUs is bound by its gradients over InfiniBand: TP inside a node wins
+    assert verdicts[("llama2-13b", "64 x h100-80gb")].startswith("rule fits") and "slower a step" in \
+        verdicts[("llama2-13b", "64 x h100-80gb")]
     prices = {(r["device"], r["strategy"]): r for r in m["price_table"]}
     assert prices[("a100-80gb", "DDP")]["min devices (memory)"] == "never fits"
     z3 = prices[("h100-80gb", "ZeRO-3: FSDP FULL_SHARD or DeepSpeed ZeRO-3")]

@@ -79,6 +79,8 @@ INTERCONNECTS = {
                             "directions together"),
     "ib-ndr": Interconnect("InfiniBand NDR (between nodes)", 50.0, "NVIDIA ConnectX-7 / NDR: 400 Gb/s per port, "
                            "one port per GPU"),
+    "pcie4": Interconnect("PCIe 4.0 x16 (to host memory)", 25.0, "PCI-SIG: 16 GT/s x 16 lanes, about 32 GB/s per "
+                          "direction; about 25 GB/s achieved (an assumption)"),
 }
 
 

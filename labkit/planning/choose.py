@@ -1,12 +1,25 @@
-"""Which strategy: the cheapest configuration whose per-device memory, from the calculator, fits.
+"""Which strategy: of the configurations whose per-device memory (the calculator's) fits, the fastest.
 
-Candidates are tried in order of what they cost beyond plain data parallelism. Sharding the
-optimizer states and gradients (ZeRO-1/2) moves the same 2 Psi per step as DDP's all-reduce;
-selective recomputation re-runs only the attention-score ops; sharding the parameters (ZeRO-3 /
-FSDP) moves 3 Psi (Rajbhandari et al. 2020, section 7); full recomputation adds a forward pass
-(~33% more compute); optimizer offload (Ren et al. 2021) moves the optimizer step to the CPU;
-tensor parallelism (Shoeybi et al. 2019) adds all-reduces inside every layer and needs a fast
-intra-node link. The decision is made on bytes, not on a parameter count alone.
+Candidates are listed in order of what they give up, and the order breaks ties:
+
+1. **DDP, ZeRO-1, ZeRO-2**: the same 2 Psi per step on the wire; ZeRO-1 and 2 shard optimizer
+   states and gradients (Rajbhandari et al. 2020).
+2. **ZeRO-3 / FSDP**: parameters sharded too, 3 Psi per step (section 7 of the paper).
+3. **Gradient accumulation**: the same tokens per step in micro-batches of one, when activations are
+   what does not fit; it costs nothing on the wire, and some efficiency of small matmuls.
+4. **Full recomputation**: one more forward pass, a third more compute (Chen et al. 2016).
+5. **Tensor parallelism inside a node**, with sequence parallelism (Shoeybi et al. 2019; Korthikanti
+   et al. 2022): four all-reduces of the activations per layer over NVLink.
+6. **Pipeline stages across nodes** on top of TP=8 (Narayanan et al. 2021): the 1F1B bubble, with
+   the replica's share of the global batch as its micro-batches.
+7. **Optimizer offload** to host memory (Ren et al. 2021): gradients and parameters over PCIe every
+   step, the slowest link; the last resort.
+
+Korthikanti et al.'s selective recomputation is not a candidate: with fused attention, the
+calculator's default, it recomputes what is never stored and changes no estimate. Among the
+candidates that fit, the one with the smallest estimated step time wins
+(:func:`labkit.planning.step_time.step_seconds`: compute and the communication backward cannot hide),
+so that a candidate that fits with room to spare is not chosen over a faster one because it came first.
 """
 from __future__ import annotations
 
@@ -17,32 +30,36 @@ from labkit.core.checks import positive_int
 from labkit.memory.calculator import GB, MemoryEstimate, estimate_memory, model_shape
 from labkit.planning.accelerators import accelerator
 from labkit.planning.cost import price_run, training_flops, training_hours
+from labkit.planning.step_time import step_seconds
 
-# (label, stage, recompute, offload, tp, pp). "selective" is Korthikanti et al.'s: recompute the
-# attention scores, which fused attention (the calculator's default) never stores anyway.
+# (label, ZeRO stage, recompute, optimizer offload, tp, pp, micro-batches of one instead of one of b)
 CANDIDATES = [
-    ("DDP", 0, "none", False, 1, 1),
-    ("ZeRO-1", 1, "none", False, 1, 1),
-    ("ZeRO-2 (FSDP SHARD_GRAD_OP)", 2, "none", False, 1, 1),
-    ("ZeRO-2 + selective recompute", 2, "selective", False, 1, 1),
-    ("ZeRO-3 / FSDP", 3, "none", False, 1, 1),
-    ("ZeRO-3 / FSDP + selective recompute", 3, "selective", False, 1, 1),
-    ("ZeRO-3 / FSDP + full recompute", 3, "full", False, 1, 1),
-    ("ZeRO-3 / FSDP + full recompute + optimizer offload", 3, "full", True, 1, 1),
-    ("TP=2 + SP + ZeRO-3 + full recompute", 3, "full", False, 2, 1),
-    ("TP=4 + SP + ZeRO-3 + full recompute", 3, "full", False, 4, 1),
-    ("TP=8 + SP + ZeRO-3 + full recompute", 3, "full", False, 8, 1),
-    ("TP=8 + PP=2 (1F1B) + ZeRO-1 + full recompute", 1, "full", False, 8, 2),
-    ("TP=8 + PP=4 (1F1B) + ZeRO-1 + full recompute", 1, "full", False, 8, 4),
-    ("TP=8 + PP=8 (1F1B) + ZeRO-1 + full recompute", 1, "full", False, 8, 8),
+    ("DDP", 0, "none", False, 1, 1, False),
+    ("ZeRO-1", 1, "none", False, 1, 1, False),
+    ("ZeRO-2 (FSDP SHARD_GRAD_OP)", 2, "none", False, 1, 1, False),
+    ("ZeRO-3 / FSDP", 3, "none", False, 1, 1, False),
+    ("DDP + gradient accumulation", 0, "none", False, 1, 1, True),
+    ("ZeRO-1 + gradient accumulation", 1, "none", False, 1, 1, True),
+    ("ZeRO-3 / FSDP + gradient accumulation", 3, "none", False, 1, 1, True),
+    ("ZeRO-3 / FSDP + full recompute", 3, "full", False, 1, 1, False),
+    ("ZeRO-3 / FSDP + full recompute + gradient accumulation", 3, "full", False, 1, 1, True),
+    ("TP=2 + SP + ZeRO-1", 1, "none", False, 2, 1, False),
+    ("TP=4 + SP + ZeRO-1", 1, "none", False, 4, 1, False),
+    ("TP=8 + SP + ZeRO-1", 1, "none", False, 8, 1, False),
+    ("TP=2 + SP + ZeRO-3 + full recompute", 3, "full", False, 2, 1, False),
+    ("TP=4 + SP + ZeRO-3 + full recompute", 3, "full", False, 4, 1, False),
+    ("TP=8 + SP + ZeRO-3 + full recompute", 3, "full", False, 8, 1, False),
+    ("TP=8 + PP=2 (1F1B) + ZeRO-1 + full recompute", 1, "full", False, 8, 2, False),
+    ("TP=8 + PP=4 (1F1B) + ZeRO-1 + full recompute", 1, "full", False, 8, 4, False),
+    ("TP=8 + PP=8 (1F1B) + ZeRO-1 + full recompute", 1, "full", False, 8, 8, False),
+    ("ZeRO-3 / FSDP + full recompute + optimizer offload", 3, "full", True, 1, 1, False),
 ]
-
-
 @dataclass(frozen=True)
 class Option:
     label: str
     estimate: MemoryEstimate
     usable_bytes: int
+    step: dict  # the estimated step time and its parts, in seconds (labkit.planning.step_time)
 
     @property
     def fits(self) -> bool:
@@ -57,9 +74,23 @@ class Recommendation:
     rule_of_thumb: str
 
     @property
+    def rule_option(self) -> Option | None:
+        """The rule of thumb's choice as the rule configures it (no recompute, no accumulation)."""
+        return next((o for o in self.options if o.label == _RULE_LABEL[self.rule_of_thumb]), None)
+
+    @property
     def rule_fits(self) -> bool:
-        """Whether the rule of thumb's choice (as configured by the rule, no recompute) fits."""
-        return any(o.fits for o in self.options if o.label == _RULE_LABEL[self.rule_of_thumb])
+        return self.rule_option is not None and self.rule_option.fits
+
+    @property
+    def chosen(self) -> Option | None:
+        return next((o for o in self.options if o.label == self.strategy), None)
+
+    def rule_slowdown(self) -> float | None:
+        """How much longer a step takes with the rule's choice than with this one (None if it does not fit)."""
+        if not self.rule_fits or self.chosen is None:
+            return None
+        return self.rule_option.step["total"] / self.chosen.step["total"] - 1
 
 
 _RULE_LABEL = {"DDP": "DDP", "FSDP": "ZeRO-3 / FSDP", "ZeRO-3": "ZeRO-3 / FSDP"}
@@ -80,46 +111,70 @@ def _gb(x: int) -> str:
     return f"{x / GB:.1f} GB"
 
 
+def _options(shape, n_devices: int, device_memory_gb: float, micro_batch: int, seq_len: int | None,
+             precision: str, devices_per_node: int, usable: int, device: str, mfu: float) -> list[Option]:
+    options = []
+    s = seq_len or shape.seq_len
+    for label, stage, recompute, offload, tp, pp, accumulate in CANDIDATES:
+        if tp > min(devices_per_node, n_devices) or n_devices % (tp * pp) or pp > shape.n_layer:
+            continue
+        if accumulate and micro_batch == 1:
+            continue  # nothing to accumulate
+        mb = 1 if accumulate else micro_batch
+        est = estimate_memory(shape, mb, n_devices, stage, precision, recompute, tp,
+                              sequence_parallel=tp > 1, device_memory_gb=device_memory_gb,
+                              offload_optimizer=offload, seq_len=seq_len, pp=pp)
+        # Every candidate trains the same global batch, micro_batch sequences per device: a replica on
+        # tp x pp devices takes tp x pp times as many, in micro-batches of mb
+        t = step_seconds(shape, n_devices, micro_batch * tp * pp, mb, s, stage, recompute, offload, tp, pp,
+                         device, mfu, devices_per_node)
+        options.append(Option(label if not accumulate else f"{label} ({micro_batch} micro-batches of 1)", est,
+                              usable, t))
+    return options
+
+
 def choose_strategy(model, n_devices: int, device_memory_gb: float = 80.0, micro_batch: int = 1,
                     seq_len: int | None = None, precision: str = "mixed", devices_per_node: int = 8,
-                    headroom: float = 0.1) -> Recommendation:
-    """Recommend the first candidate that fits in ``(1 - headroom)`` of device memory, and why.
+                    headroom: float = 0.1, device: str | None = None, mfu: float = 0.4) -> Recommendation:
+    """Recommend, of the candidates that fit in ``(1 - headroom)`` of device memory, the one with the
+    smallest estimated step time (ties: the earlier candidate), and say why.
 
     ``headroom`` keeps room for temporaries, communication buffers and allocator fragmentation,
-    which the calculator does not model.
+    which the calculator does not model. ``device`` (a key of ``ACCELERATORS``) sets the peak for the
+    step-time estimate (default: the H100's); only the ranking depends on it.
     """
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
     positive_int("n_devices", n_devices)
+    positive_int("micro_batch", micro_batch)
     shape = model_shape(model)
     usable = int(device_memory_gb * GB * (1 - headroom))
-    options = []
-    for label, stage, recompute, offload, tp, pp in CANDIDATES:
-        if tp > min(devices_per_node, n_devices) or n_devices % (tp * pp) or pp > shape.n_layer:
-            continue
-        est = estimate_memory(shape, micro_batch, n_devices, stage, precision, recompute, tp,
-                              sequence_parallel=tp > 1, device_memory_gb=device_memory_gb,
-                              offload_optimizer=offload, seq_len=seq_len, pp=pp)
-        options.append(Option(label, est, usable))
+    device = device or "h100-80gb"
+    options = _options(shape, n_devices, device_memory_gb, micro_batch, seq_len, precision, devices_per_node,
+                       usable, device, mfu)
     rule = rule_of_thumb(shape.n_params, device_memory_gb)
-    first = next((o for o in options if o.fits), None)
+    fitting = [o for o in options if o.fits]
+    best = min(fitting, key=lambda o: (round(o.step["total"], 4), options.index(o))) if fitting else None
     base = options[0].estimate
     why_base = (f"DDP would need {_gb(base.total)} per device: model states "
                 f"{_gb(base.params + base.grads + base.optimizer)}, activations "
                 f"{_gb(base.activations + base.head)}; usable {_gb(usable)}")
-    if first is None:
+    if best is None:
         last = options[-1].estimate
         reason = (f"nothing fits on {n_devices} x {device_memory_gb:g} GB: even "
                   f"{options[-1].label} needs {_gb(last.total)} per device. Add devices, shorten "
                   f"sequences or use pipeline parallelism. {why_base}.")
         return Recommendation(None, reason, options, rule)
-    e = first.estimate
-    reason = (f"{first.label} needs {_gb(e.total)} of {_gb(usable)} usable per device "
+    e = best.estimate
+    others = sorted((o for o in fitting if o is not best), key=lambda o: o.step["total"])
+    reason = (f"{best.label} needs {_gb(e.total)} of {_gb(usable)} usable per device "
               f"(params {_gb(e.params)}, grads {_gb(e.grads)}, optimizer {_gb(e.optimizer)}, "
               f"activations {_gb(e.activations + e.head)}"
               + (f"; optimizer states {_gb(e.host_bytes)} in host memory" if e.host_bytes else "")
-              + ")" + ("" if first is options[0] else f". {why_base}"))
-    return Recommendation(first.label, reason, options, rule)
+              + f"), about {best.step['total']:.2f} s a step"
+              + (f" (next: {others[0].label}, {others[0].step['total']:.2f} s)" if others else "")
+              + ("" if best is options[0] else f". {why_base}"))
+    return Recommendation(best.label, reason, options, rule)
 
 
 def min_devices(model, stage: int, recompute: str = "none", device_memory_gb: float = 80.0,
