@@ -51,8 +51,10 @@ book: labs
 	@echo "The book is in $(BUILD)/html. Open $(CURDIR)/$(BUILD)/html/index.html in a browser,"
 	@echo "or run 'make serve' and visit http://127.0.0.1:8000 (search needs a served copy)."
 
+# Two workers, one test file each at a time (tests/conftest.py says why); TEST_WORKERS=0 runs in one.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 serve:
 	$(PY) -m http.server 8000 --bind 127.0.0.1 --directory $(BUILD)/html
