@@ -36,7 +36,13 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit)" >/dev/null
 	@touch $@
 
-venv: $(STAMP)
+# JupyterLab's settings for the course, as the hub image installs them (cluster/jupyterhub/Dockerfile):
+# a lab's MyST markdown opens as a notebook on double-click (jupytext's viewer), not in the editor.
+LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.json
+$(LAB_SETTINGS): cluster/jupyterhub/overrides.json | $(STAMP)
+	install -D -m 644 $< $@
+
+venv: $(STAMP) $(LAB_SETTINGS)
 
 labs: $(STAMP)
 	$(PY) -m labkit run --profile $(PROFILE)
@@ -53,13 +59,13 @@ book: labs
 
 # Two workers, one test file each at a time (tests/conftest.py says why); TEST_WORKERS=0 runs in one.
 TEST_WORKERS ?= 2
-test: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+test: $(STAMP) $(LAB_SETTINGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 serve:
 	$(PY) -m http.server 8000 --bind 127.0.0.1 --directory $(BUILD)/html
 
-lab-ui: $(STAMP)
+lab-ui: $(STAMP) $(LAB_SETTINGS)
 	$(VENV)/bin/jupyter lab labs/
 
 # The graded exercises at the end of every lab, as nbgrader assignments (book/instructors.md).

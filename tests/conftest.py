@@ -1,15 +1,21 @@
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import rank_fns from here too
 # DeepSpeed compiles a small comm op on first use: cache it in the build folder, as make does.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "_build" / "torch_extensions"))
 os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers share the cores: one OpenMP thread each (and in what they start, whose ranks
+    # divide the cores among themselves anyway), or spinning thread pools fight over them.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
@@ -20,20 +26,48 @@ def lab_metrics() -> dict:
     return {name: json.loads(run_lab(name, "ci", OUT_DIR).read_text()) for name in list_labs()}
 
 
-# `make test` runs two pytest workers (pytest-xdist, --dist loadgroup): a test file is one unit of
-# work, so its module fixtures are built once; the labs and the book share the executed labs, so they
-# are one unit, and the longest units go first so that neither worker is left with a long tail.
-GROUPS = {"test_labs": "labs", "test_book": "labs"}
-FIRST = ("labs", "test_assignments", "test_slurm", "test_fault_tolerance", "test_train", "test_sharded")
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists():
+        pytest.fail("chromium is not installed: .ci/run installs Debian's `chromium`; "
+                    "on another machine install it with your package manager")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run"])
+        yield b
+        b.close()
+
+
+# `make test` runs two pytest workers (pytest-xdist): a test file is one unit of work, so its module
+# fixtures are built once; the labs and the book share the executed labs, so they are one unit; and
+# the longest units go first, so that neither worker is left with a long tail. (The scheduler is
+# ours: xdist 3.8's loadgroup renames node ids, which pytest 9 no longer lets it do.)
+UNITS = {"test_labs": "labs", "test_book": "labs"}
+FIRST = ("labs", "test_assignments", "test_slurm", "test_jupyterlab", "test_fault_tolerance", "test_train",
+         "test_sharded")
+
+
+def _unit(nodeid: str) -> str:
+    module = Path(nodeid.split("::", 1)[0]).stem
+    return UNITS.get(module, module)
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if not item.get_closest_marker("xdist_group"):
-            module = Path(str(item.fspath)).stem
-            item.add_marker(pytest.mark.xdist_group(GROUPS.get(module, module)))
-
     def rank(item):
-        group = item.get_closest_marker("xdist_group").args[0]
-        return FIRST.index(group) if group in FIRST else len(FIRST)
+        unit = _unit(item.nodeid)
+        return FIRST.index(unit) if unit in FIRST else len(FIRST)
     items.sort(key=rank)  # stable: within a unit, tests keep their order
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, absent when it is not installed
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return ByUnit(config, log)

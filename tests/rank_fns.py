@@ -185,3 +185,15 @@ def fail_fast_or_wait(bad_rank: int) -> int:
         raise ValueError("deliberate failure")
     time.sleep(3600)
     return dist.get_rank()
+
+
+def count_with_bar(n: int) -> bool:
+    """Rank 0 counts to ``n`` on a progress bar, as the training loop does (the caller draws it)."""
+    from labkit.core import progress
+
+    bar = progress.bar(n, "counting", progress.wanted(n) and dist.get_rank() == 0)
+    for _ in range(n):
+        bar.update()
+        bar.set_postfix(loss="0.5000", refresh=False)
+    bar.close()
+    return isinstance(bar, progress._Forwarded)

@@ -3,7 +3,6 @@ import functools
 import http.server
 import os
 import re
-import shutil
 import subprocess
 import threading
 from pathlib import Path
@@ -14,7 +13,6 @@ from labkit.labs import LABS_DIR, list_labs
 
 ROOT = Path(__file__).resolve().parent.parent
 HTML = ROOT / "_build" / "html"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # page -> figures it must show (glued from the executed labs, or the lab's own plots)
 PAGES = {"book/data_parallel.html": 4, "book/labs/data_parallel.html": 3, "book/memory.html": 3,
          "book/labs/memory.html": 3, "book/zero_fsdp.html": 6, "book/labs/zero_fsdp.html": 5, "book/activation_checkpointing.html": 2,
@@ -57,21 +55,6 @@ def server(built_book):
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args):
         pass
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists():
-        pytest.fail("chromium is not installed: .ci/run installs Debian's `chromium`; "
-                    "on another machine install it with your package manager")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run"])
-        yield b
-        b.close()
 
 
 def _open(browser, url):
@@ -158,4 +141,32 @@ def test_lab_shows_its_exercise_and_a_collapsed_solution(browser, server, lab):
     code.first.wait_for(state="visible", timeout=5_000)
     assert "### BEGIN SOLUTION" in solution.inner_text(), lab
     assert not errors, errors
+    page.close()
+
+
+def test_every_lab_page_launches_the_lab_on_the_hub_and_downloads_its_notebook(browser, server):
+    """The launch button sends a student through nbgitpuller to the lab itself (labs/<lab>.md, which
+    the hub opens as a notebook), not to the executed copy the page was built from."""
+    import json as _json
+    import urllib.request
+    from urllib.parse import parse_qs, urljoin, urlsplit
+
+    import yaml
+
+    hub = yaml.safe_load((ROOT / "_config.yml").read_text())["launch_buttons"]["jupyterhub_url"].rstrip("/")
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    for lab in list_labs():
+        page.goto(f"{server}/book/labs/{lab}.html", wait_until="networkidle")
+        (href,) = page.eval_on_selector_all(
+            "a[href*='git-pull']", "as => [...new Set(as.map(a => a.getAttribute('href')))]")
+        url = urlsplit(href)
+        assert f"{url.scheme}://{url.netloc}" == hub and url.path == "/hub/user-redirect/git-pull", href
+        query = parse_qs(url.query)
+        assert query["urlpath"] == [f"lab/tree/training-at-scale/labs/{lab}.md"], href
+        assert (ROOT / "labs" / f"{lab}.md").is_file()
+        downloads = page.eval_on_selector_all(
+            "a[href$='.ipynb']", "as => [...new Set(as.map(a => a.getAttribute('href')))]")
+        assert downloads, f"{lab}: no download button for the notebook"
+        with urllib.request.urlopen(urljoin(page.url, downloads[0])) as r:
+            assert _json.loads(r.read())["cells"], lab
     page.close()

@@ -3,6 +3,7 @@
 Kubernetes objects go through the official client's models (required fields, types); the hub's
 config keys must be real traits of the installed JupyterHub, OAuthenticator and KubeSpawner.
 """
+import json
 import os
 import re
 import shutil
@@ -12,6 +13,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
+import jupytext
 import pytest
 import yaml
 
@@ -509,3 +511,34 @@ def test_training_pods_run_as_the_images_user_without_privileges():
     c = pod["containers"][0]["securityContext"]
     assert c["allowPrivilegeEscalation"] is False and c["capabilities"]["drop"] == ["ALL"]
     assert "useradd --create-home --uid 1000 jovyan" in (HUB / "Dockerfile").read_text()
+
+
+def _kernel_installs(commands: list[str]) -> list[str]:
+    return [" ".join(c.split(">")[0].replace("$(PY)", "python").replace('"', "").split()) for c in commands
+            if "ipykernel install" in c]
+
+
+def test_image_and_venv_give_students_the_same_jupyterlab():
+    """The hub image and `make venv` install the same course kernel and the same JupyterLab settings,
+    so what a student meets on the hub is what the browser test drives from .venv."""
+    steps = _dockerfile(HUB / "Dockerfile")
+    run = [cmd.strip() for i, a in steps if i == "RUN" for cmd in a.split("&&")]
+    makefile = (ROOT / "Makefile").read_text()
+    make = [l.strip() for l in makefile.splitlines() if l.startswith("\t")]
+    assert _kernel_installs(run) == _kernel_installs(make) == [
+        "python -m ipykernel install --sys-prefix --name labkit --display-name Python (labkit)"]
+    # the image's interpreter prefix is /usr/local (python:*-slim); the venv's is .venv
+    copies = [a.split() for i, a in steps if i == "COPY" and "overrides.json" in a]
+    assert copies == [["cluster/jupyterhub/overrides.json",
+                       "/usr/local/share/jupyter/lab/settings/overrides.json"]]
+    assert re.search(r"^LAB_SETTINGS := \$\(VENV\)/share/jupyter/lab/settings/overrides\.json$", makefile, re.M)
+    assert re.search(r"^\$\(LAB_SETTINGS\): cluster/jupyterhub/overrides\.json", makefile, re.M)
+    viewers = json.loads((HUB / "overrides.json").read_text())[
+        "@jupyterlab/docmanager-extension:plugin"]["defaultViewers"]
+    assert viewers == {"markdown": "Jupytext Notebook", "myst": "Jupytext Notebook"}
+    # every lab and every student notebook names that kernel
+    from labkit.labs import LABS_DIR, list_labs
+    from labkit.labs.assignments import KERNELSPEC
+    for lab in list_labs():
+        assert jupytext.read(LABS_DIR / f"{lab}.md").metadata["kernelspec"]["name"] == "labkit", lab
+    assert KERNELSPEC["name"] == "labkit"

@@ -111,3 +111,31 @@ def test_a_peer_stopped_after_a_failure_is_not_blamed_on_the_timeout():
     waited = info.value.failures[1]
     assert "after rank 0 failed" in waited and "most likely waiting for rank 0" in waited, waited
     assert "timeout=600" not in waited
+
+
+@pytest.mark.parametrize("env", ["1", "0"])
+def test_a_ranks_progress_bar_is_drawn_by_the_caller(capfd, monkeypatch, env):
+    """Rank 0 forwards its count; the caller draws it (a notebook's widget, a terminal's line), so the
+    bar shows where the person is looking; LABKIT_PROGRESS=0 (papermill) draws none."""
+    monkeypatch.setenv("LABKIT_PROGRESS", env)
+    forwarded = launch(rank_fns.count_with_bar, 7, world_size=2)
+    err = capfd.readouterr().err
+    if env == "1":
+        assert forwarded == [True, False]
+        last = err.rstrip("\n").split("\r")[-1]  # one bar, redrawn in place, closed at 7/7
+        assert err.count("\n") == 1 and last.startswith("counting: 100%") and "7/7" in last and "loss=0.5000" in last
+    else:
+        assert forwarded == [False, False] and "counting" not in err
+
+
+def test_bars_show_in_a_notebook_and_on_a_terminal_for_long_runs(monkeypatch):
+    from labkit.core import progress
+
+    monkeypatch.delenv("LABKIT_PROGRESS", raising=False)
+    monkeypatch.setattr(progress, "in_notebook", lambda: True)
+    assert progress.wanted(3)
+    monkeypatch.setattr(progress, "in_notebook", lambda: False)
+    monkeypatch.setattr(progress.sys.stderr, "isatty", lambda: True, raising=False)
+    assert progress.wanted(progress.LONG_RUN) and not progress.wanted(progress.LONG_RUN - 1)
+    monkeypatch.setenv("LABKIT_PROGRESS", "0")
+    assert not progress.wanted(10**6)

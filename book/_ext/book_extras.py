@@ -7,6 +7,10 @@
 * sphinx-thebe 0.3.1 calls ``app.add_js_file`` inside ``html-page-context``, so its inline
   ``const THEBE_JS_URL`` script accumulates one more copy on every page written and the browser
   reports "Identifier 'THEBE_JS_URL' has already been declared". Duplicate scripts are dropped.
+* A lab's page is built from the notebook ``labkit run`` executed into ``book/labs/`` (never
+  committed), so sphinx-book-theme's launch links would send a student to a file the repository
+  does not have. They point at the lab itself, ``labs/<lab>.md``, which the hub opens as a notebook
+  (jupytext's viewer is its default for markdown: ``cluster/jupyterhub/overrides.json``).
 """
 from __future__ import annotations
 
@@ -45,10 +49,20 @@ def _dedupe_scripts(app, pagename, templatename, context, doctree) -> None:
     context["script_files"] = unique
 
 
+def _launch_the_lab_itself(app, pagename, templatename, context, doctree) -> None:
+    if not pagename.startswith("book/labs/"):
+        return
+    executed, lab = f"{pagename}.ipynb", f"labs/{pagename.rsplit('/', 1)[1]}.md"
+    for group in context.get("header_buttons", []):
+        for button in group.get("buttons", []) if group.get("label") == "launch-buttons" else []:
+            button["url"] = button["url"].replace(executed, lab)
+
+
 def setup(app):
     if not (_mathjax_source() / ENTRY).exists():
         raise RuntimeError(f"MathJax not found at {_mathjax_source()}; install requirements.txt")
     app.config.mathjax_path = f"mathjax/{ENTRY}"
     app.connect("build-finished", _copy_mathjax)
     app.connect("html-page-context", _dedupe_scripts, priority=999)  # last: other handlers add scripts
+    app.connect("html-page-context", _launch_the_lab_itself, priority=900)  # after the theme's buttons
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -34,7 +33,7 @@ import torch
 
 from labkit.core.checks import non_negative_int, one_of, positive_int
 from labkit.core.devices import DEVICE_TYPES
-from labkit.core.progress import tqdm
+from labkit.core import progress as progress_bars
 from labkit.feeding.prefetch import batch_tensors, to_device
 
 # TensorFlow profiler, op_stats_to_input_pipeline_analysis.cc: 5% and 20% of step time.
@@ -226,8 +225,8 @@ def measure_stalls(
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but CUDA is not available; use device='cpu'")
     cuda = dev.type == "cuda"
-    show = progress if progress is not None else (sys.stderr.isatty() and (steps or 0) >= 50)
-    bar = tqdm(total=steps, desc=desc, disable=not show, mininterval=1.0)
+    show = progress if progress is not None else progress_bars.wanted(steps)
+    bar = progress_bars.bar(steps, desc, show)
     records: list[StepRecord] = []
     pinned: bool | None = None
     t_origin = time.perf_counter()

@@ -43,7 +43,8 @@ BOOK_ONLY = "book-only"
 DISPLAY_TAGS = {"hide-input", "hide-output", "hide-cell", "remove-input"}
 # sphinx-exercise's directives, as a MyST fence opens them (``` or ~~~ or :::, any length).
 _DIRECTIVE = re.compile(r"^\s*(`{3,}|~{3,}|:{3,})\s*\{(exercise|solution)(-start|-end)?\}", re.M)
-KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
+# The course kernel (`make venv` and the hub image install it), which the labs name too.
+KERNELSPEC = {"name": "labkit", "display_name": "Python (labkit)", "language": "python"}
 
 
 def exercise_cells(lab: str, labs_dir: Path = LABS_DIR) -> list[NotebookNode]:

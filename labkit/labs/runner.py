@@ -9,10 +9,12 @@ book picks them up; a lab re-runs only when its source, labkit or the profile ch
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import time
 from pathlib import Path
 
+from labkit.core import progress
 from labkit.labs.parameters import resolve
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -45,6 +47,9 @@ def _execute_notebook(name: str, src: Path, out_nb: Path, parameters: dict) -> N
     import jupytext
     import papermill as pm
 
+    # The kernel inherits this environment: an executed notebook (a page of the book) keeps no bars.
+    before = os.environ.get(progress.ENV)
+    os.environ[progress.ENV] = "0"
     try:
         pm.execute_notebook(
             jupytext.read(src), str(out_nb), kernel_name=_kernel_name(), cwd=str(out_nb.parent),
@@ -56,6 +61,11 @@ def _execute_notebook(name: str, src: Path, out_nb: Path, parameters: dict) -> N
             f"lab {name!r} failed in cell {e.exec_count} ({e.ename}: {e.evalue}); "
             f"the partly executed notebook is at {out_nb}"
         ) from None
+    finally:
+        if before is None:
+            os.environ.pop(progress.ENV, None)
+        else:
+            os.environ[progress.ENV] = before
 
 
 def _kernel_name() -> str:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from labkit.core import progress
 from labkit.core.checks import positive_number
 from labkit.core.devices import backend_for, check_device, rank_device, share_cores
 
@@ -41,7 +42,7 @@ class RankError(RuntimeError):
         super().__init__(f"{len(failures)} rank(s) failed: {sorted(failures)}\n" + "\n".join(parts))
 
 
-def _worker(rank, world_size, device, port, fn, args, kwargs, results, timeout_s, quiet) -> None:
+def _worker(rank, world_size, device, port, fn, args, kwargs, results, timeout_s, quiet, bars) -> None:
     # Its own process group: whatever this rank starts (a DataLoader's workers, a subprocess) is killed
     # with it when launch cleans up, even after the rank itself has exited.
     os.setpgid(0, 0)
@@ -53,6 +54,10 @@ def _worker(rank, world_size, device, port, fn, args, kwargs, results, timeout_s
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                           LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port), LABKIT_DEVICE=device)
+        if bars is not None:  # the caller's choice (a notebook wants bars, papermill none)
+            os.environ[progress.ENV] = bars
+        # Bars are drawn by the caller, where the person is looking (a notebook's widget).
+        progress.forward_to(lambda message: results.put((rank, "progress", message)))
         share_cores(world_size)
         rank_device(device, rank)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
@@ -133,13 +138,15 @@ def launch_local(fn: Callable[..., Any], *args: Any, world_size: int = 2, device
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))
     results = ctx.Queue()
+    bars = os.environ.get(progress.ENV) or ("1" if progress.in_notebook() else None)
     procs = [
         ctx.Process(target=_worker, daemon=True, name=f"labkit-rank{r}",
-                    args=(r, world_size, device, store.port, fn, args, kwargs, results, timeout, quiet))
+                    args=(r, world_size, device, store.port, fn, args, kwargs, results, timeout, quiet, bars))
         for r in range(world_size)
     ]
     out: dict[int, Any] = {}
     failures: dict[int, str] = {}
+    drawn = progress.Drawn()
     started: list = []
     ok = False
     try:
@@ -151,25 +158,30 @@ def launch_local(fn: Callable[..., Any], *args: Any, world_size: int = 2, device
                                 f"{type(e).__name__}: {e} (ranks are new processes that receive fn and its "
                                 "arguments pickled: pass module-level functions and picklable values)") from e
             started.append(p)
-        _collect(procs, out, failures, results, timeout)
+        _collect(procs, out, failures, results, timeout, drawn)
         if failures:
             raise RankError(failures)
         ok = True
         return [out[r] for r in range(world_size)]
     finally:
+        drawn.close()
         _reap(started, not ok)
         results.close()
         del store
 
 
-def _collect(procs: list, out: dict, failures: dict, results: Any, timeout: float) -> None:
+def _collect(procs: list, out: dict, failures: dict, results: Any, timeout: float,
+             drawn: Callable[[int, tuple], None]) -> None:
     """Results and failures of every rank, until all reported, one failed (and its peers had a few
-    seconds to report theirs), or ``timeout`` passed."""
+    seconds to report theirs), or ``timeout`` passed; progress the ranks forward goes to ``drawn``."""
     world_size, t0 = len(procs), time.monotonic()
     deadline, first_failure = t0 + timeout, None
 
-    def take(rank: int, ok: bool, value: Any) -> None:
+    def take(rank: int, ok: bool | str, value: Any) -> None:
         nonlocal first_failure, deadline
+        if ok == "progress":
+            drawn(rank, value)
+            return
         (out if ok else failures)[rank] = pickle.loads(value) if ok else value
         if not ok and first_failure is None:
             # Peers of a failed rank usually block in a collective: give them a moment to report

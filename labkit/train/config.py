@@ -93,8 +93,8 @@ class TrainConfig:
                           "cleanly: a save that would eat into them is skipped")
     step_log: str | None = _f(None, "output", "append one JSON line per step, checkpoint, restore and preemption "
                               "(rank 0)")
-    progress: bool | None = _f(None, "output", "a progress bar (default: on a terminal, for runs of 50 steps "
-                               "or more)")
+    progress: bool | None = _f(None, "output", "a progress bar (default: in a notebook; on a terminal, for runs of "
+                               "50 steps or more; LABKIT_PROGRESS=0|1 decides when set)")
     count_comm: str = _f("auto", "output", "count every collective's bytes: on every step, on the last only (the "
                          "others timed without the counter), or none; auto: every on CPU, last on CUDA",
                          ("auto", "every", "last", "none"))

@@ -15,7 +15,6 @@ SIGTERM or SIGUSR1 it finishes the step, saves and reports ``preempted``.
 """
 from __future__ import annotations
 
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -32,7 +31,7 @@ from labkit.core.devices import (
     synchronize,
 )
 from labkit.core.model import GPT, GPTConfig, build_model
-from labkit.core.progress import tqdm
+from labkit.core import progress
 from labkit.fault_tolerance.rng import seed_rngs
 from labkit.train import instruments
 from labkit.train.config import TrainConfig
@@ -127,9 +126,8 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     ft = Resumable(cfg, meta, None if engine else plan.module, None if engine else plan.optimizer,
                    None if engine else plan.scheduler, engine, plan.scaler)
     start, losses = ft.start()
-    show = cfg.progress if cfg.progress is not None else (sys.stderr.isatty() and cfg.steps >= 50)
-    bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.strategy} x{world}", disable=not show or rank != 0,
-               mininterval=1.0)
+    show = cfg.progress if cfg.progress is not None else progress.wanted(cfg.steps)
+    bar = progress.bar(cfg.steps, f"{cfg.strategy} x{world}", show and rank == 0, initial=start)
     rec, states = _Record(cfg.count_comm, device, cfg.steps), None
     try:
         with instruments.StepProfiler(cfg, device, rank) as profiler:

@@ -1,0 +1,228 @@
+"""The labs as a student meets them: JupyterLab from .venv, driven in a real browser.
+
+One JupyterLab serves a copy of ``labs/`` (as ``make lab-ui`` does; the copy keeps the repository's
+files as they are when the notebook is saved). Chromium, through Playwright, double-clicks a lab,
+sees a notebook with the course kernel, sets the ``ci`` profile in the parameters cell, runs every
+cell, and checks the outputs; then it opens the released student notebook of the memory lab's
+graded exercise, answers it, and validates it with nbgrader's Validate button, right and wrong.
+Screenshots go to ``_build/screenshots/`` (test artefacts, never committed).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import jupytext
+import nbformat
+import pytest
+
+from labkit.labs import LABS_DIR
+from labkit.labs.assignments import COURSE_DIR, generate
+
+ROOT = Path(__file__).resolve().parent.parent
+SHOTS = ROOT / "_build" / "screenshots"
+SETTINGS = Path(sys.prefix) / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
+LAB = "data_parallel"  # starts ranks, trains in the kernel and on two ranks, draws figures
+RUN_ALL_S = 420
+
+
+@pytest.fixture(scope="module")
+def jupyterlab(tmp_path_factory):
+    if not SETTINGS.is_file() or SETTINGS.read_text() != (ROOT / "cluster/jupyterhub/overrides.json").read_text():
+        pytest.fail(f"{SETTINGS} is missing or differs from cluster/jupyterhub/overrides.json: run `make venv`")
+    home = tmp_path_factory.mktemp("student")
+    root = home / "labs"
+    shutil.copytree(LABS_DIR, root, ignore=shutil.ignore_patterns("*.ipynb", ".ipynb_checkpoints"))
+    token = os.urandom(16).hex()
+    # The student's own settings, workspaces and config start empty, as on a first visit.
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(home / ".jupyter"),
+           "JUPYTERLAB_SETTINGS_DIR": str(home / ".settings"), "JUPYTERLAB_WORKSPACES_DIR": str(home / ".ws")}
+    env.pop("LABKIT_PROGRESS", None)
+    log = open(home / "jupyterlab.log", "w")
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "jupyter-lab"), "--no-browser", "--allow-root", "--port=0",
+         "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = _wait_for_url(home / "jupyterlab.log", proc, token)
+        yield dict(url=url, token=token, root=root, home=home)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def _wait_for_url(log: Path, proc: subprocess.Popen, token: str, timeout: float = 90) -> str:
+    """The server's address (it picked a free port), once it answers."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"jupyter-lab exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        found = re.search(r"(http://127\.0\.0\.1:\d+)/lab", log.read_text())
+        if found:
+            try:
+                urllib.request.urlopen(f"{found.group(1)}/api/status?token={token}", timeout=5)
+                return found.group(1)
+            except OSError:
+                pass
+        time.sleep(0.5)
+    pytest.fail(f"jupyter-lab did not answer within {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def page(browser, jupyterlab):
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    p = context.new_page()
+    p.set_default_timeout(60_000)
+    p.goto(f"{jupyterlab['url']}/lab?token={jupyterlab['token']}")
+    yield p
+    context.close()
+
+
+def _open_by_double_click(page, name: str):
+    page.locator(".jp-DirListing-item", has_text=name).first.dblclick()
+    panel = page.locator(f".jp-NotebookPanel:has(.jp-Notebook)").last
+    panel.wait_for()
+    return panel
+
+
+def _set_cell(page, panel, index: int, source: str) -> None:
+    editor = panel.locator(".jp-Cell").nth(index).locator(".cm-content")
+    editor.click()
+    page.keyboard.press("Control+a")
+    page.keyboard.insert_text(source)
+    page.keyboard.press("Escape")
+
+
+def _menu(page, menu: str, item: str) -> None:
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(f"^{menu}$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(f"^{re.escape(item)}$")).first.click()
+
+
+def _wait_until_run(page, panel, timeout_s: float) -> list[str]:
+    """Wait until every code cell has an execution count; the prompts as the student sees them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        # text_content, not inner_text: cells scrolled out of view are not laid out (content-visibility)
+        prompts = panel.locator(".jp-CodeCell .jp-InputArea-prompt").all_text_contents()
+        if prompts and all(re.fullmatch(r"\[\d+\]:", p.strip()) for p in prompts):
+            return prompts
+        if time.monotonic() > deadline:
+            page.screenshot(path=str(SHOTS / "jupyterlab-timeout.png"))
+            pytest.fail(f"the lab did not finish within {timeout_s} s; prompts: {prompts}")
+        time.sleep(1)
+
+
+def test_a_lab_opens_as_a_notebook_and_runs_to_the_end(page, jupyterlab):
+    panel = _open_by_double_click(page, f"{LAB}.md")
+    params = jupytext.read(LABS_DIR / f"{LAB}.md").cells
+    n_code = sum(c.cell_type == "code" for c in params)
+    # jupytext's notebook, not the text editor: every cell, and no front matter or code-cell fences
+    panel.locator(".jp-CodeCell").nth(n_code - 1).wait_for(state="attached")
+    assert not panel.get_by_text("```{code-cell}").count() and not panel.get_by_text("jupytext:").count()
+    toolbar = panel.locator(".jp-NotebookPanel-toolbar")
+    toolbar.get_by_text("Python (labkit)").wait_for()
+    page.locator(".jp-StatusBar-Widget", has_text="Python (labkit) | Idle").first.wait_for(timeout=120_000)
+    page.screenshot(path=str(SHOTS / "jupyterlab-opened-lab.png"))
+
+    first_code = next(i for i, c in enumerate(params) if c.cell_type == "code")
+    source = params[first_code].source
+    assert 'PROFILE = "cpu"' in source
+    _set_cell(page, panel, first_code, source.replace('PROFILE = "cpu"', 'PROFILE = "ci"'))
+    _menu(page, "Run", "Run All Cells")
+    t0 = time.monotonic()
+    prompts = _wait_until_run(page, panel, RUN_ALL_S)
+    print(f"{LAB} ran in the browser in {time.monotonic() - t0:.0f} s")
+    page.screenshot(path=str(SHOTS / "jupyterlab-ran-lab.png"), full_page=True)
+
+    outputs = panel.locator(".jp-OutputArea-output").all_text_contents()
+    errors = [o for o in outputs if "Traceback (most recent call last)" in o or re.search(r"^\w+Error\b", o, re.M)]
+    assert not errors, errors[0][-2000:]
+    assert len(prompts) == n_code
+    text = "\n".join(outputs)
+    # a lab that starts ranks says how many and where, before it starts them
+    assert re.search(r"\[launch\] \w+ on 2 rank\(s\): CPU processes \(gloo\)", text), text[:2000]
+    # the figures rendered (images the browser decoded), and the training showed its progress as
+    # tqdm's notebook widget (a rank's bar is drawn by the kernel that launched it)
+    images = panel.locator(".jp-RenderedImage img")
+    sizes = []
+    for i in range(images.count()):
+        images.nth(i).scroll_into_view_if_needed()
+        sizes.append(images.nth(i).evaluate("e => e.decode().then(() => e.naturalWidth)"))
+    assert len(sizes) >= 3 and all(w > 0 for w in sizes), sizes
+    bars = [" ".join(b.split()) for b in  # tqdm pads with figure spaces
+            panel.locator(".jp-OutputArea-output .widget-hbox:has(.widget-hprogress)").all_text_contents()]
+    assert any(b.startswith("single x1: 100%") for b in bars), bars  # trained in the kernel
+    assert any(b.startswith("ddp x2: 100%") for b in bars), bars  # on two ranks, drawn by the kernel
+    metrics = json.loads((jupyterlab["root"] / f"{LAB}.metrics.json").read_text())
+    assert metrics["profile"] == "ci"
+
+
+def _released_memory_exercise(home: Path) -> Path:
+    course = home / "course"
+    course.mkdir()
+    shutil.copy(COURSE_DIR / "nbgrader_config.py", course)
+    (released,) = generate(["memory"], course)
+    target = home / "labs" / "exercise" / "memory.ipynb"
+    target.parent.mkdir()
+    shutil.copy(released, target)
+    return course / "source" / "memory" / "memory.ipynb"
+
+
+def _answer(source_nb: Path) -> str:
+    """The instructor's solution, as a student who solved it would type it."""
+    nb = nbformat.read(source_nb, as_version=4)
+    (cell,) = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("solution")]
+    return re.sub(r"^\s*### (BEGIN|END) SOLUTION\n", "", cell.source, flags=re.M)
+
+
+def _validate(page, panel) -> str:
+    page.keyboard.press("Control+s")
+    panel.locator(".jp-NotebookPanel-toolbar").get_by_text("Validate", exact=True).click()
+    dialog = page.locator(".jp-Dialog")
+    dialog.locator(".jp-Dialog-body").wait_for(timeout=180_000)
+    dialog.get_by_text(re.compile("Success|failed|Error", re.I)).first.wait_for(timeout=180_000)
+    text = dialog.inner_text()
+    return text
+
+
+def test_the_graded_exercise_validates_right_and_wrong_answers(page, jupyterlab):
+    source_nb = _released_memory_exercise(jupyterlab["home"])
+    page.locator(".jp-DirListing-item", has_text="exercise").first.dblclick()
+    panel = _open_by_double_click(page, "memory.ipynb")
+    page.locator(".jp-StatusBar-Widget", has_text="Python (labkit) | Idle").first.wait_for(timeout=120_000)
+    cells = nbformat.read(jupyterlab["root"] / "exercise" / "memory.ipynb", as_version=4).cells
+    index = next(i for i, c in enumerate(cells) if c.cell_type == "code" and "YOUR CODE HERE" in c.source)
+    wrong = re.sub(r"^(\s*)raise NotImplementedError.*$", r"\1return 0", cells[index].source, flags=re.M)
+    _set_cell(page, panel, index, wrong)
+    failed = _validate(page, panel)
+    page.screenshot(path=str(SHOTS / "jupyterlab-exercise-wrong.png"))
+    assert "ZeRO Figure 1 gives [120.0, 31.4, 16.6, 1.9] GB, got [0.0, 0.0, 0.0, 0.0]" in failed, failed
+    page.locator(".jp-Dialog").get_by_role("button").last.click()
+
+    _set_cell(page, panel, index, _answer(source_nb))
+    passed = _validate(page, panel)
+    page.screenshot(path=str(SHOTS / "jupyterlab-exercise-validated.png"))
+    assert "Success" in passed and "passes all" in passed, passed
+
+
+def test_a_link_to_a_lab_opens_it_as_a_notebook(page, jupyterlab):
+    """Where the book's launch button lands once nbgitpuller has pulled the course: a
+    /lab/tree/.../<lab>.md address, which opens in the default viewer, jupytext's notebook."""
+    page.goto(f"{jupyterlab['url']}/lab/tree/strategy_cost.md?token={jupyterlab['token']}")
+    page.locator(".lm-TabBar-tab.lm-mod-current", has_text="strategy_cost.md").first.wait_for()
+    shown = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
+    shown.locator(".jp-CodeCell").first.wait_for()
+    assert shown.count() == 1 and not page.locator(".jp-FileEditor:not(.lm-mod-hidden)").count()
