@@ -296,9 +296,11 @@ def _pip_installs(commands: list[str]) -> list[list[str]]:
     only the output or the cache left out."""
     out = []
     for cmd in commands:
+        cmd = cmd.replace("$(PIP_INSTALL)", "pip install --no-compile")
         if "pip install" in cmd:
             cmd = cmd.replace("$(PY) -m pip", "pip").replace("$$", "$").replace('"', "")
-            out.append([t for t in cmd.split() if t not in ("-q", "--no-cache-dir")])
+            # output, cache and byte-compiling differ (the image is read-only to its user): not what is installed
+            out.append([t for t in cmd.split() if t not in ("-q", "--no-cache-dir", "--no-compile")])
     return out
 
 

@@ -44,7 +44,10 @@ def _prerequisites():
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     state = tmp_path_factory.mktemp("slurm")
-    subprocess.run([ROOT / "cluster/slurm/local/start.sh", state], check=True, capture_output=True, timeout=60)
+    # OMP_NUM_THREADS=1, as many clusters set it: the nodes still get every core (nproc alone would
+    # report 1, and a job of two tasks per node would wait for ever)
+    subprocess.run([ROOT / "cluster/slurm/local/start.sh", state], check=True, capture_output=True, timeout=60,
+                   env=dict(os.environ, OMP_NUM_THREADS="1"))
     env = dict(os.environ, SLURM_CONF=str(state / "slurm.conf"))
     try:
         yield env
@@ -126,6 +129,9 @@ def test_early_signal_checkpoints_requeues_and_resumes_bit_exact(slurm, uninterr
 
 
 def test_every_sbatch_directive_is_accepted_by_slurm(slurm, tmp_path):
+    for node in ("n1", "n2"):
+        out = subprocess.run(["scontrol", "show", "node", node, "-o"], env=slurm, capture_output=True, text=True)
+        assert f"CPUTot={len(os.sched_getaffinity(0))} " in out.stdout, out.stdout
     for script in (ROOT / "cluster").rglob("*.sbatch"):
         out = subprocess.run(["sbatch", "--test-only", "--nodes=2", str(script)], env=slurm, cwd=tmp_path,
                              capture_output=True, text=True)

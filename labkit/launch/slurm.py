@@ -130,7 +130,8 @@ def launch_slurm(fn: Callable, *args: Any, nodes: int = 1, tasks_per_node: int =
             last = state
         if timeout is not None and time.monotonic() - start > timeout:
             job.cancel()
-            raise TimeoutError(f"Slurm job {job.job_id} did not finish within timeout={timeout} s; cancelled")
+            raise TimeoutError(f"Slurm job {job.job_id} did not finish within timeout={timeout} s (last state: "
+                               f"{state}; `scontrol show job {job.job_id}` says why a job is pending); cancelled")
         time.sleep(poll_s)
     failures = {}
     results = []

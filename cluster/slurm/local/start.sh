@@ -35,7 +35,10 @@ done
 mkdir "$STATE/ctld" "$STATE/spool" "$STATE/spool/n1" "$STATE/spool/n2"
 # Ports from the state directory's name, so two clusters on one machine do not collide.
 BASE=$(( 20000 + $(printf '%s' "$STATE" | cksum | cut -d' ' -f1) % 20000 ))
-CPUS=$(nproc)
+# The cores this process may use. Not plain nproc: it reports OMP_NUM_THREADS when that is set
+# (a common setting on clusters), and nodes declared with fewer cores than a job asks for leave
+# the job pending for ever.
+CPUS=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 
 dd if=/dev/urandom bs=1 count=1024 of="$STATE/munge.key" status=none
 chmod 400 "$STATE/munge.key"
