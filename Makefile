@@ -27,9 +27,9 @@ help:
 
 # Installs only when requirements.txt or pyproject.toml changed. torch goes first and DeepSpeed is
 # built without isolation against it (DS_BUILD_OPS=0: no CUDA ops compiled at install time).
-# --no-compile: byte-compiling all 2.3 GB at install took 2 of the 3.6 minutes here; Python compiles
-# what is imported, once, into the (writable) venv. The hub image, read-only to its user, compiles.
-PIP_INSTALL := $(PY) -m pip install -q --no-compile
+# Byte-compiled at install (2 of the 3.6 minutes here): with PYTHONDONTWRITEBYTECODE set, as on
+# many CI machines, nothing compiled later is kept, and every rank and kernel would compile torch.
+PIP_INSTALL := $(PY) -m pip install -q
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) pip==24.3.1 setuptools==84.2.1 wheel==0.48.0
