@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 from labkit.core import progress
 from labkit.labs.parameters import resolve
@@ -47,25 +48,19 @@ def _execute_notebook(name: str, src: Path, out_nb: Path, parameters: dict) -> N
     import jupytext
     import papermill as pm
 
-    # The kernel inherits this environment: an executed notebook (a page of the book) keeps no bars.
-    before = os.environ.get(progress.ENV)
-    os.environ[progress.ENV] = "0"
     try:
-        pm.execute_notebook(
-            jupytext.read(src), str(out_nb), kernel_name=_kernel_name(), cwd=str(out_nb.parent),
-            parameters=parameters, progress_bar=sys.stdout.isatty(), log_output=False,
-            request_save_on_cell_execute=False,
-        )
+        # The kernel inherits this environment: an executed notebook (a page of the book) keeps no bars.
+        with patch.dict(os.environ, {progress.ENV: "0"}):
+            pm.execute_notebook(
+                jupytext.read(src), str(out_nb), kernel_name=_kernel_name(), cwd=str(out_nb.parent),
+                parameters=parameters, progress_bar=sys.stdout.isatty(), log_output=False,
+                request_save_on_cell_execute=False,
+            )
     except pm.PapermillExecutionError as e:
         raise RuntimeError(
             f"lab {name!r} failed in cell {e.exec_count} ({e.ename}: {e.evalue}); "
             f"the partly executed notebook is at {out_nb}"
         ) from None
-    finally:
-        if before is None:
-            os.environ.pop(progress.ENV, None)
-        else:
-            os.environ[progress.ENV] = before
 
 
 def _kernel_name() -> str:
