@@ -188,14 +188,33 @@ def _answer(source_nb: Path) -> str:
     return re.sub(r"^\s*### (BEGIN|END) SOLUTION\n", "", cell.source, flags=re.M)
 
 
-def _validate(page, panel) -> str:
+def _validate(page, panel, jupyterlab, timeout_s: float = 240) -> str:
+    """Save, press Validate, and return the text of nbgrader's result dialog.
+
+    The button reads "Saving...", then "Validating..." while the server runs the notebook in a
+    fresh kernel, then "Validate" again; only then is the result dialog complete. Without a
+    result, the failure names every dialog on screen (a lost connection, a kernel prompt) and
+    ends with the server's log."""
     page.keyboard.press("Control+s")
-    panel.locator(".jp-NotebookPanel-toolbar").get_by_text("Validate", exact=True).click()
-    dialog = page.locator(".jp-Dialog")
-    dialog.locator(".jp-Dialog-body").wait_for(timeout=180_000)
-    dialog.get_by_text(re.compile("Success|failed|Error", re.I)).first.wait_for(timeout=180_000)
-    text = dialog.inner_text()
-    return text
+    tab = page.locator(".lm-TabBar-tab.lm-mod-current")
+    deadline = time.monotonic() + 60
+    while "jp-mod-dirty" in (tab.first.get_attribute("class") or "") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    button = panel.locator(".jp-NotebookPanel-toolbar").get_by_text("Validate", exact=True)
+    button.click()
+    labels = panel.locator(".jp-NotebookPanel-toolbar .jp-ToolbarButtonComponent-label")
+    deadline = time.monotonic() + timeout_s
+    texts: list[str] = []
+    while time.monotonic() < deadline:
+        texts = [t for t in page.locator(".jp-Dialog").all_inner_texts() if t.strip()]
+        busy = any(t.strip() in ("Saving...", "Validating...") for t in labels.all_inner_texts())
+        if not busy and any(re.search("Success|failed|Error", t, re.I) for t in texts):
+            return "\n".join(texts)
+        time.sleep(0.5)
+    page.screenshot(path=str(SHOTS / "jupyterlab-validate-timeout.png"))
+    log = (jupyterlab["home"] / "jupyterlab.log").read_text()[-4000:]
+    pytest.fail(f"no validation result within {timeout_s} s; dialogs: {texts}; "
+                f"toolbar: {labels.all_inner_texts()}; server log:\n{log}")
 
 
 def test_the_graded_exercise_validates_right_and_wrong_answers(page, jupyterlab):
@@ -207,13 +226,13 @@ def test_the_graded_exercise_validates_right_and_wrong_answers(page, jupyterlab)
     index = next(i for i, c in enumerate(cells) if c.cell_type == "code" and "YOUR CODE HERE" in c.source)
     wrong = re.sub(r"^(\s*)raise NotImplementedError.*$", r"\1return 0", cells[index].source, flags=re.M)
     _set_cell(page, panel, index, wrong)
-    failed = _validate(page, panel)
+    failed = _validate(page, panel, jupyterlab)
     page.screenshot(path=str(SHOTS / "jupyterlab-exercise-wrong.png"))
     assert "ZeRO Figure 1 gives [120.0, 31.4, 16.6, 1.9] GB, got [0.0, 0.0, 0.0, 0.0]" in failed, failed
     page.locator(".jp-Dialog").get_by_role("button").last.click()
 
     _set_cell(page, panel, index, _answer(source_nb))
-    passed = _validate(page, panel)
+    passed = _validate(page, panel, jupyterlab)
     page.screenshot(path=str(SHOTS / "jupyterlab-exercise-validated.png"))
     assert "Success" in passed and "passes all" in passed, passed
 

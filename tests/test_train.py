@@ -134,9 +134,9 @@ def test_deepspeed_launcher_runs_the_same_entry_point(tmp_path):
 # Each DeepSpeed strategy, under torchrun, started and ended this many times. Before labkit.launch's
 # leave_group put a barrier last, about 1 run in 10 aborted at interpreter exit (SIGABRT) after
 # training had finished, and torchrun reported a failure; 120 single-rank runs and 60 torchrun runs
-# after the fix all exited 0 (the closing notes of the changes). CI affords two per strategy (each
+# after the fix all exited 0 (the closing notes of the changes). CI affords one per strategy (each
 # start of torch and DeepSpeed on two ranks costs ~15 s here); LABKIT_EXIT_TRIALS=20 is the soak.
-EXIT_TRIALS = int(os.environ.get("LABKIT_EXIT_TRIALS", "2"))
+EXIT_TRIALS = int(os.environ.get("LABKIT_EXIT_TRIALS", "1"))
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
