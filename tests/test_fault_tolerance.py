@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import torch
@@ -361,8 +362,9 @@ def test_resume_is_bit_exact_after_kills_under_torchrun(tmp_path):
     dp_runs = [TrainConfig(strategy=s, checkpoint_dir=str(tmp_path / s), async_save=s == "fsdp", **BASE)
                for s in ("ddp", "fsdp")]
     with ThreadPoolExecutor(len(FAULTS) + 1) as pool:
+        pp_scratch = TrainConfig(strategy="pp_scratch", steps=STEPS, return_params=True)  # constant lr: see below
         ref = pool.submit(launch, train_many, [TrainConfig(strategy=s, return_params=True, **BASE)
-                                               for s in FAULTS] + dp_runs, MODEL, world_size=2)
+                                               for s in FAULTS] + [pp_scratch] + dp_runs, MODEL, world_size=2)
         jobs = {s: pool.submit(_job, tmp_path, s, faults) for s, faults in FAULTS.items()}
         reference = {r["strategy"]: r for r in ref.result()[0][:len(FAULTS)]}
         for strategy, job in jobs.items():
@@ -383,6 +385,16 @@ def test_resume_is_bit_exact_after_kills_under_torchrun(tmp_path):
             assert set(state["model"]) == set(want), strategy  # a pipeline's stages merge into the whole GPT
             assert all(torch.equal(state["model"][k], want[k]) for k in want), f"{strategy}: kill points {points}"
             assert state["losses"] == reference[strategy]["loss"]
+    # The hand-written pipeline saves each stage's part too: stopped half-way and started again, it
+    # ends where the uninterrupted run ends (dropout's RNG and AdamW's moments restored; a constant
+    # learning rate, since a run of half the steps has a cosine of its own).
+    pp_ref = ref.result()[0][len(FAULTS)]
+    half = replace(pp_scratch, steps=STEPS // 2, return_params=False, checkpoint_dir=str(tmp_path / "pps"),
+                   save_every=2)
+    launch(train, half, MODEL, world_size=2)
+    resumed = launch(train, replace(half, steps=STEPS, return_params=True), MODEL, world_size=2)[0]
+    assert resumed["start_step"] == STEPS // 2 and resumed["loss"] == pp_ref["loss"]
+    assert all(torch.equal(resumed["params"][k], pp_ref["params"][k]) for k in pp_ref["params"])
     # The DDP checkpoint of 2 ranks resumes in one process: resharded, and it says so.
     more = train(TrainConfig(strategy="single", checkpoint_dir=str(tmp_path / "ddp"), **BASE | {"steps": STEPS + 1}),
                  MODEL)

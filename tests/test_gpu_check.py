@@ -54,6 +54,13 @@ def test_gpu_check_without_cuda_is_one_sentence_and_exit_2():
     assert "no CUDA GPU is visible" in proc.stderr and "--device cpu" in proc.stderr
 
 
+def test_gpu_check_on_a_python_without_torch_is_one_sentence_and_exit_2():
+    code = "import sys; sys.modules['torch'] = None\nfrom labkit.labs.gpu_check import main\nsys.exit(main([]))"
+    proc = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and "has no PyTorch" in proc.stderr
+
+
 def test_missing_packages_skip_with_their_name(monkeypatch):
     import labkit.labs.gpu_items as items
 

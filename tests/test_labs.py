@@ -241,8 +241,12 @@ def test_input_pipeline_lab_metrics(lab_metrics):
     fixes = {f["fix"].split(" ")[0]: f for f in m["fixes"]}
     assert set(fixes) == {"workers", "prefetch_factor", "persistent_workers", "pin_memory", "pre-tokenized",
                           "background"}
-    for name in ("workers", "prefetch_factor", "persistent_workers", "pre-tokenized", "background"):
+    for name in ("workers", "prefetch_factor", "persistent_workers", "pre-tokenized"):
         assert fixes[name]["wait_after"] < fixes[name]["wait_before"], name
+    # A thread overlaps loading with compute: the step shrinks from load + compute towards the longer
+    # of the two. Its wait *fraction* can rise when compute gets faster meanwhile (2 shared cores):
+    # throughput is the measure that cannot mislead here.
+    assert fixes["background"]["tok_s_after"] > fixes["background"]["tok_s_before"]
     assert fixes["pre-tokenized"]["wait_after"] < 0.15 < fixes["pre-tokenized"]["wait_before"]
     assert fixes["pin_memory"]["copy_after"] == 0.0 and m["copy_ms"] is None  # no accelerator, no copy
     # Utilization lies: rank 0 of a DDP job with a starved rank 1 is "busy" while it waits.

@@ -152,7 +152,7 @@ def _numels(cfg: GPTConfig) -> list[int]:
 
 
 def test_deepspeed_model_states_match_to_the_byte_on_every_rank(deepspeed_runs):
-    """At an accumulation boundary: every rank's measured bytes equal labkit.zero's prediction
+    """At an accumulation boundary: every rank's measured bytes equal labkit.memory.deepspeed_states' prediction
     exactly, and the ZeRO paper's model within the straddling-parameter overhead."""
     numels = _numels(MODEL)
     for s, r in deepspeed_runs.items():
@@ -222,6 +222,18 @@ def test_missing_or_broken_deepspeed_says_what_to_do(monkeypatch):
         deepspeed_zero.initialize(model, opt, {}, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"stage=4 is unknown; valid ZeRO stages for DeepSpeed: \[1, 2, 3\]"):
         deepspeed_zero.deepspeed_config(4, 1, 2)
+
+
+def test_deepspeed_fp16_is_its_own_loss_scaled_optimizer_on_cuda_and_refused_on_cpu():
+    """fp16 with DeepSpeed is DeepSpeed's recipe (fp16 weights, fp32 masters, dynamic loss scale),
+    configured for CUDA, where make gpu-check runs it; on CPU the run is refused before it starts."""
+    cfg = deepspeed_zero.deepspeed_config(2, 1, 2, precision="fp16")
+    assert cfg["fp16"]["enabled"] and cfg["fp16"]["loss_scale"] == 0 and not cfg["bf16"]["enabled"]
+    assert not deepspeed_zero.deepspeed_config(2, 1, 2, precision="bf16")["fp16"]["enabled"]
+    with pytest.raises(ValueError, match=r"precision='fp8' is not supported with DeepSpeed; valid: \['fp32'"):
+        deepspeed_zero.deepspeed_config(2, 1, 2, precision="fp8")
+    with pytest.raises(ValueError, match=r"precision='fp16' with strategy='zero2' needs device='cuda'"):
+        train(TrainConfig(strategy="zero2", precision="fp16", steps=1), MODEL)
 
 
 def test_bf16_strategies_match_single_process_bf16_within_stated_tolerances():

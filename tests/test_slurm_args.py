@@ -67,3 +67,18 @@ def test_launch_slurm_rejects_bad_input():
         launch_slurm(print, time_min=0)
     with pytest.raises(ValueError, match=r"device='tpu' is unknown; valid devices: \['cpu', 'cuda'\]"):
         launch_slurm(print, device="tpu")
+
+
+def test_tasks_meet_on_the_port_rank_0_found_free_not_one_derived_from_the_job_id(tmp_path):
+    """Jobs 12345 and 32345 used to share port 20000 + id % 20000: rank 0 now binds a free port on the
+    head node and publishes it in the job's shared folder; the other tasks read that one."""
+    import socket
+
+    ports = [slurm_launch._rendezvous_port(tmp_path, job, 0) for job in ("12345", "32345")]
+    assert [slurm_launch._rendezvous_port(tmp_path, job, 3) for job in ("12345", "32345")] == ports
+    for port in ports:
+        assert port != 32345
+        with socket.socket() as s:
+            s.bind(("", port))  # it was free when published
+    with pytest.raises(TimeoutError, match=r"rank 1: rank 0 of job 7 published no rendezvous port in .* within 0 s"):
+        slurm_launch._rendezvous_port(tmp_path, "7", 1, timeout=0.3)

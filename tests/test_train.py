@@ -65,10 +65,18 @@ def test_torchrun_runs_tensor_and_pipeline_parallel(tmp_path, strategy, extra):
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads(out.read_text())
     assert m["world_size"] == 2 and len(m["loss"]) == 3 and len(m["ranks"]) == 2
-    assert all(r["model_state_bytes"]["total"] > 0 for r in m["ranks"])
-    if strategy == "pp":
-        assert 0 < m["bubble_fraction"] < 1
     from labkit.core.model import GPTConfig
+
+    # each rank holds its own part of the model (and AdamW's 4-byte step counters on top)
+    held = [4 * n for n in m["predicted_params_per_rank"]] if strategy == "pp" else \
+        [m["predicted_model_state_bytes"]["params"]] * 2
+    assert [r["model_state_bytes"]["params"] for r in m["ranks"]] == held, (m["ranks"], held)
+    assert all(r["model_state_bytes"]["grads"] == h and 0 <= r["model_state_bytes"]["optimizer"] - 2 * h <= 4 * 64
+               for r, h in zip(m["ranks"], held))
+    if strategy == "pp":
+        # the first stage embeds, the last predicts with the same (tied) matrix: both hold a copy
+        tied = GPTConfig().vocab_size * GPTConfig().n_embd
+        assert 0 < m["bubble_fraction"] < 1 and sum(m["predicted_params_per_rank"]) == m["n_params"] + tied
 
     ref = train(TrainConfig(steps=3, seed=3, lr=1e-3), GPTConfig(block_size=16, n_layer=2))
     assert max(abs(a - b) for a, b in zip(ref["loss"], m["loss"])) < 1e-5

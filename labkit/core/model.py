@@ -139,7 +139,7 @@ class GPT(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits and, with ``targets``, the mean cross-entropy over targets that are not -100.
 
-        Packed rows (``labkit.collate``) pass ``position_ids`` (restarting per sequence) and
+        Packed rows (``labkit.feeding.collate``) pass ``position_ids`` (restarting per sequence) and
         ``doc_ids`` (which sequence each token belongs to): a token then attends only to earlier
         tokens with its own doc id, a block-diagonal causal mask (Krell et al. 2021).
         """

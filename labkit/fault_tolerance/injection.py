@@ -1,7 +1,7 @@
 """Kill real training processes on purpose: torchrun jobs with faults injected at chosen steps.
 
 ``run_with_faults(train_args, faults, log)`` starts ``torchrun ... -m labkit.train`` with a step log
-(:class:`labkit.resume.StepLog`), watches it, and when rank 0 reports a fault's step it sends the
+(:class:`labkit.fault_tolerance.step_log.StepLog`), watches it, and when rank 0 reports a fault's step it sends the
 signal to one worker of the current attempt (``target=1``: rank 1) or to the torchrun agent itself
 (``target="agent"``, as a scheduler or a spot notice would). ``SIGKILL`` on a worker gives no warning:
 torchrun restarts the whole group (``--max-restarts``) and the run resumes from its last

@@ -4,7 +4,7 @@ A run resumed from step ``s`` must continue exactly as if it had never stopped, 
 holds: model and optimizer state (through ``torch.distributed.checkpoint.state_dict.get_state_dict``
 and ``set_state_dict``, which give the same fully qualified names under DDP, FSDP2 or no wrapper, so a
 checkpoint moves between strategies and world sizes), the LR scheduler, the step (the data position:
-``labkit.data.get_batch`` is a pure function of seed and step), the loss history, the RNG states of
+``labkit.core.data.get_batch`` is a pure function of seed and step), the loss history, the RNG states of
 Python, NumPy and torch (CPU and CUDA) per rank, and the settings that define the data order. A
 DeepSpeed engine saves and loads itself (``engine.save_checkpoint``), scheduler included.
 

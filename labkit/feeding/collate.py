@@ -5,7 +5,7 @@ list what packing must change so that a packed row computes exactly what its seq
 
 * **position ids** restart at 0 for every sequence, so each sees the positions it would see alone;
 * **a block-diagonal causal mask**: a token attends to earlier tokens *of its own sequence* only.
-  ``doc_ids`` number the sequences of a row; ``labkit.model.GPT`` builds the mask from them
+  ``doc_ids`` number the sequences of a row; ``labkit.core.model.GPT`` builds the mask from them
   (what ``flash_attn_varlen_func`` does with ``cu_seqlens``, as a dense boolean mask);
 * **loss masking at boundaries**: the last token of a sequence has no next token of its own, so its
   label is -100 (``F.cross_entropy``'s ``ignore_index``), like every padding position.
@@ -29,7 +29,7 @@ PAD_DOC = -1  # doc id of padding: attends only to padding, never seen by a real
 
 
 def segments(rows: Sequence[Sequence[int]], lengths: Sequence[int], capacity: int) -> list[list[tuple[int, int, int]]]:
-    """``(index, start, length)`` of every piece in every row, following ``labkit.packing.pack``'s
+    """``(index, start, length)`` of every piece in every row, following ``labkit.feeding.packing.pack``'s
     rule: the k-th appearance of an index is the piece starting at token ``k * capacity``."""
     positive_int("capacity", capacity)
     seen: dict[int, int] = {}
@@ -100,7 +100,7 @@ def train_policies(policies: Sequence[str], lengths: Sequence[int], docs: Sequen
     positive_int("steps", steps)
     non_negative_int("warmup", warmup)  # steps left out of the figures
     if not policies:
-        raise ValueError("policies is empty; pass some of labkit.batching.POLICIES")
+        raise ValueError("policies is empty; pass some of labkit.feeding.batching.POLICIES")
     dev = torch.device(device)
 
     def sync() -> None:

@@ -1,10 +1,10 @@
 """Sequence packing: several whole sequences share one row, so rows carry no padding.
 
 A batch of variable-length sequences is a rectangle: every row is padded to the batch's width, and
-the padded positions cost the same compute as real tokens (:mod:`labkit.batching` measures that
+the padded positions cost the same compute as real tokens (:mod:`labkit.feeding.batching` measures that
 waste under the usual batching policies). Packing removes it: several whole sequences share one row of
 ``capacity`` tokens (Krell et al. 2021, "Efficient Sequence Packing without Cross-contamination",
-arXiv:2107.02027). ``labkit.collate`` turns packed rows into model inputs that keep the sequences
+arXiv:2107.02027). ``labkit.feeding.collate`` turns packed rows into model inputs that keep the sequences
 apart (position ids restarting per sequence, a block-diagonal causal mask, masked boundary labels).
 
 ``pack`` is best-fit decreasing (BFD; Johnson et al. 1974, "Worst-case performance bounds for simple

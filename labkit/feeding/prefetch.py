@@ -4,7 +4,7 @@
 each batch from pinned memory on a side stream so the copy of batch k+1 overlaps the compute of
 batch k (the ``data_prefetcher`` of NVIDIA Apex's ImageNet example,
 https://github.com/NVIDIA/apex/blob/master/examples/imagenet/main_amp.py, and PyTorch's "pinned
-memory" notes, https://pytorch.org/tutorials/intermediate/pinmem_nonblock.html). :mod:`labkit.pipeline`
+memory" notes, https://pytorch.org/tutorials/intermediate/pinmem_nonblock.html). :mod:`labkit.feeding.stalls`
 measures what it buys.
 """
 from __future__ import annotations

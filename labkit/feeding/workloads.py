@@ -181,7 +181,7 @@ def epochs(loader: Iterable, n: int) -> Iterator:
 
 def gpt_train_step(model: torch.nn.Module, opt: torch.optim.Optimizer
                    ) -> Callable[[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-    """A step function for :func:`labkit.pipeline.measure_stalls`: forward, backward, AdamW."""
+    """A step function for :func:`labkit.feeding.stalls.measure_stalls`: forward, backward, AdamW."""
 
     def step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch

@@ -105,7 +105,11 @@ def _parser() -> ArgumentParser:
 
 
 def _setting(ap: ArgumentParser, args) -> tuple[Setting, list[str], list[str]]:
-    import torch
+    try:
+        import torch
+    except ImportError:
+        ap.exit(2, f"gpu-check: this Python ({sys.executable}) has no PyTorch; run it with the Python that has "
+                   "CUDA torch (GPU_PYTHON=... make gpu-check, or that python3 -m labkit.gpu_check)\n")
 
     from labkit.train import STRATEGIES
 

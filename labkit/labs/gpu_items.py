@@ -159,6 +159,8 @@ PRECISIONS = {
     "bf16 parameters (fsdp)": ("fsdp", dict(precision="bf16", fsdp_bf16=True), LOSS_TOL["16-bit"]),
     # DeepSpeed's bf16 casts the weights (LayerNorm and loss run in bf16): its own recipe, held to fp32's bar
     "bf16 (DeepSpeed zero2)": ("zero2", dict(precision="bf16"), LOSS_TOL["vs fp32"]),
+    # DeepSpeed's fp16: fp16 weights, fp32 master copies, its own dynamic loss scaler (CUDA only)
+    "fp16 + loss scaling (DeepSpeed zero2)": ("zero2", dict(precision="fp16"), LOSS_TOL["vs fp32"]),
     "tf32 matmuls (ddp)": ("ddp", dict(tf32=True), LOSS_TOL["16-bit"]),
 }
 
@@ -173,6 +175,8 @@ def precision(s: Setting) -> list[Item]:
     for name, (strat, extra, _) in PRECISIONS.items():
         if extra.get("tf32") and s.device != "cuda":
             items.append(Item(f"precision {name}", "skip", "TF32 is a CUDA feature"))
+        elif strat == "zero2" and extra["precision"] == "fp16" and s.device != "cuda":
+            items.append(Item(f"precision {name}", "skip", "DeepSpeed's fp16 optimizer needs CUDA"))
         elif strat == "zero2" and not has("deepspeed"):
             items.append(Item(f"precision {name}", "skip", "needs the package 'deepspeed'"))
         else:

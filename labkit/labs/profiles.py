@@ -10,49 +10,56 @@ vocabulary adds 38 M in the embedding. Values a GPU count decides: ``"all"`` (ev
 """
 from __future__ import annotations
 
+# How the labs that train compare strategies: fp32 on CPU (held to one process within fp32's
+# tolerances), and as GPU users train on GPUs: bf16 autocast over fp32 master weights, TF32 matmuls.
+FP32 = dict(precision="fp32", tf32=False)
+BF16_TF32 = dict(precision="bf16", tf32=True)
+
 # One entry per lab; "cpu" must equal the defaults a reader sees in the lab's parameters cell.
 PROFILES: dict[str, dict[str, dict]] = {
     # lr 1e-3: at 3e-3 the tiny lab models train chaotically (loss spikes), and after a spike even one
     # process accumulating microbatches departs from its own unaccumulated run (pipeline_parallel lab).
     "tensor_parallel": {
-        "cpu": dict(device="cpu", world_size=2, steps=30, batch_size=16, lr=1e-3, seed=0, n_layer=2, n_head=4,
+        "cpu": dict(**FP32, device="cpu", world_size=2, steps=30, batch_size=16, lr=1e-3, seed=0, n_layer=2, n_head=4,
                     n_embd=64, block_size=64, comm_batch_sizes=[4, 8, 16, 32], degrees=[1, 2, 4], sweep_steps=5,
                     steps_2d=10, bw_model="llama2-70b", bw_tp=8, bw_micro_batch=1, bw_device="h100-80gb", bw_mfu=0.5),
-        "ci": dict(device="cpu", world_size=2, steps=20, batch_size=8, lr=1e-3, seed=0, n_layer=2, n_head=4,
+        "ci": dict(**FP32, device="cpu", world_size=2, steps=20, batch_size=8, lr=1e-3, seed=0, n_layer=2, n_head=4,
                    n_embd=64, block_size=32, comm_batch_sizes=[4, 8, 16], degrees=[1, 2, 4], sweep_steps=3,
                    steps_2d=4, bw_model="llama2-70b", bw_tp=8, bw_micro_batch=1, bw_device="h100-80gb", bw_mfu=0.5),
         # GPT-2 small's shape at context 1024 on up to 4 GPUs: TP 1/2/4 and a 2 x 2 FSDP x TP mesh.
-        "gpu": dict(device="cuda", world_size=4, steps=100, batch_size=8, lr=6e-4, seed=0, n_layer=12, n_head=12,
+        "gpu": dict(**BF16_TF32, device="cuda", world_size=4, steps=100, batch_size=8, lr=6e-4, seed=0, n_layer=12, n_head=12,
                     n_embd=768, block_size=1024, comm_batch_sizes=[2, 4, 8], degrees=[1, 2, 4], sweep_steps=10,
                     steps_2d=50, bw_model="llama2-70b", bw_tp=8, bw_micro_batch=1, bw_device="h100-80gb", bw_mfu=0.5),
     },
     "pipeline_parallel": {
-        "cpu": dict(device="cpu", world_size=2, steps=30, batch_size=16, lr=1e-3, seed=0, n_layer=4, n_head=2,
+        "cpu": dict(**FP32, device="cpu", world_size=2, steps=30, batch_size=16, lr=1e-3, seed=0, n_layer=4, n_head=2,
                     n_embd=64, block_size=64, microbatches=4, t_n_layer=4, t_n_embd=128, t_n_head=4, t_block_size=64,
                     mb_rows=2, bubble_ms=[1, 2, 4, 8, 16], bubble_steps=6, mem_pp=4, mem_microbatches=8,
                     plan_model="gpt3-175b", plan_devices=1024, plan_global_batch=1536, plan_device_gb=80.0),
-        "ci": dict(device="cpu", world_size=2, steps=20, batch_size=8, lr=1e-3, seed=0, n_layer=4, n_head=2,
+        "ci": dict(**FP32, device="cpu", world_size=2, steps=20, batch_size=8, lr=1e-3, seed=0, n_layer=4, n_head=2,
                    n_embd=64, block_size=32, microbatches=4, t_n_layer=4, t_n_embd=128, t_n_head=4, t_block_size=64,
                    mb_rows=2, bubble_ms=[1, 4, 8], bubble_steps=3, mem_pp=4, mem_microbatches=8,
                    plan_model="gpt3-175b", plan_devices=1024, plan_global_batch=1536, plan_device_gb=80.0),
         # GPT-2 small's shape at context 1024, one stage per GPU on up to 4 GPUs.
-        "gpu": dict(device="cuda", world_size=4, steps=100, batch_size=32, lr=6e-4, seed=0, n_layer=12, n_head=12,
+        "gpu": dict(**BF16_TF32, device="cuda", world_size=4, steps=100, batch_size=32, lr=6e-4, seed=0, n_layer=12, n_head=12,
                     n_embd=768, block_size=1024, microbatches=8, t_n_layer=12, t_n_embd=768, t_n_head=12,
                     t_block_size=1024, mb_rows=2, bubble_ms=[1, 2, 4, 8, 16, 32], bubble_steps=10, mem_pp=4,
                     mem_microbatches=8, plan_model="gpt3-175b", plan_devices=1024, plan_global_batch=1536,
                     plan_device_gb=80.0),
     },
     "data_parallel": {
-        "cpu": dict(device="cpu", world_size=2, steps=40, batch_size=16, lr=3e-3, seed=0,
+        "cpu": dict(**FP32, device="cpu", world_size=2, steps=40, batch_size=16, lr=3e-3, seed=0,
                     n_layer=2, n_head=2, n_embd=64, block_size=64, bucket_cap_mb=0.1,
                     ring_world_sizes=[2, 3, 4], ring_numel=1 << 18, loss_tol=1e-5),
-        "ci": dict(device="cpu", world_size=2, steps=15, batch_size=8, lr=3e-3, seed=0,
+        "ci": dict(**FP32, device="cpu", world_size=2, steps=15, batch_size=8, lr=3e-3, seed=0,
                    n_layer=2, n_head=2, n_embd=64, block_size=32, bucket_cap_mb=0.1,
                    ring_world_sizes=[2, 3], ring_numel=1 << 16, loss_tol=1e-5),
-        # GPT-2 small's shape at context 1024, one GPU per rank, every GPU of the node.
-        "gpu": dict(device="cuda", world_size="all", steps=200, batch_size="8 per rank", lr=6e-4,
+        # GPT-2 small's shape at context 1024, one GPU per rank, every GPU of the node; in bf16 the
+        # ranks and one process round in different places, so the bar is 16-bit's, not fp32's 1e-5
+        # (make gpu-check holds every strategy to one process in fp32).
+        "gpu": dict(**BF16_TF32, device="cuda", world_size="all", steps=200, batch_size="8 per rank", lr=6e-4,
                     seed=0, n_layer=12, n_head=12, n_embd=768, block_size=1024, bucket_cap_mb=25.0,
-                    ring_world_sizes="2..world_size", ring_numel=1 << 26, loss_tol=1e-3),
+                    ring_world_sizes="2..world_size", ring_numel=1 << 26, loss_tol=2e-2),
     },
     "memory": {
         "cpu": dict(device="cpu", sizes=[[2, 64, 2], [4, 128, 4], [6, 192, 6]], block_size=128,
@@ -142,14 +149,14 @@ _SPOT = dict(run_cost=18000.0, run_hours=24.0, hours_in=14.0, instances=100, int
              share_periods=["month", "day"], checkpoint_minutes=2.0, restart_minutes=10.0,
              notice_s=30.0, naive_numel=1 << 21, naive_trials=30)  # notice_s: Google Cloud's and Azure's
 PROFILES["fault_tolerance"] = {
-    "cpu": dict(device="cpu", world_size=2, strategy="fsdp", steps=40, batch_size=8, lr=3e-3, seed=0, n_layer=2,
+    "cpu": dict(**FP32, device="cpu", world_size=2, strategy="fsdp", steps=40, batch_size=8, lr=3e-3, seed=0, n_layer=2,
                 n_head=2, n_embd=64, block_size=64, dropout=0.1, save_every=5, async_save=True, grace_s=30, fault_seed=0,
                 bench_n_layer=6, bench_n_embd=384, bench_n_head=6, bench_repeats=5, **_SPOT),
-    "ci": dict(device="cpu", world_size=2, strategy="fsdp", steps=16, batch_size=8, lr=3e-3, seed=0, n_layer=2,
+    "ci": dict(**FP32, device="cpu", world_size=2, strategy="fsdp", steps=16, batch_size=8, lr=3e-3, seed=0, n_layer=2,
                n_head=2, n_embd=64, block_size=32, dropout=0.1, save_every=4, async_save=True, grace_s=30, fault_seed=0,
                bench_n_layer=4, bench_n_embd=256, bench_n_head=4, bench_repeats=5, **_SPOT),
     # GPT-2 small's shape at context 1024, one GPU per rank; the benchmark stages 86 M parameters and Adam from the GPU.
-    "gpu": dict(device="cuda", world_size="all", strategy="fsdp", steps=200, batch_size="8 per rank", lr=6e-4, seed=0,
+    "gpu": dict(**BF16_TF32, device="cuda", world_size="all", strategy="fsdp", steps=200, batch_size="8 per rank", lr=6e-4, seed=0,
                 n_layer=12, n_head=12, n_embd=768, block_size=1024, dropout=0.1, save_every=20, async_save=True,
                 grace_s=30, fault_seed=0, bench_n_layer=12, bench_n_embd=768, bench_n_head=12, bench_repeats=3, **_SPOT),
 }

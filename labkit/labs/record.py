@@ -1,11 +1,21 @@
-"""Naming a lab's results for the book: ``glue`` where myst-nb runs the notebook, a plain record elsewhere.
+"""Naming a lab's results for the book and for its metrics file, in one call.
 
 The book cites every measured number through myst-nb's ``glue`` (a value stored in the executed
-notebook under a name the chapter refers to). Where myst-nb is not installed (a GPU image, a lab run
-as a plain script), :func:`glue` keeps the values in :data:`GLUED` instead, so the lab runs unchanged.
+notebook under a name the chapter refers to), and the tests read the lab's metrics JSON. A lab calls
+:func:`record` once per number, figure or table: the value is glued for the text (where myst-nb runs
+the notebook) and kept in :data:`GLUED`, and :func:`write_metrics` writes every recorded plain value
+into the metrics file under ``"recorded"``, so that the text and the file cannot disagree. Where
+myst-nb is not installed (a GPU image, a lab run as a plain script) the lab runs unchanged.
+
+Cells that only record are tagged ``remove-input`` in the labs: the book shows the code a reader
+came to read, not the bookkeeping.
 """
 from __future__ import annotations
 
+import json
+import math
+import numbers
+from pathlib import Path
 from typing import Any
 
 GLUED: dict[str, Any] = {}
@@ -22,3 +32,44 @@ def glue(name: str, value: Any, display: bool = True) -> Any:
     if _myst_glue is not None:
         _myst_glue(name, value, display=display)
     return value
+
+
+def record(name: str, value: Any) -> Any:
+    """Record ``value`` under ``name`` for the text (glued, not displayed) and the metrics file; return it."""
+    return glue(name, value, display=False)
+
+
+_SKIP = object()  # what JSON cannot hold
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON holds it (a non-finite float as null), or ``_SKIP`` for what JSON cannot
+    hold (figures, styled tables)."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        v = float(value)
+        return v if math.isfinite(v) else None
+    if isinstance(value, (list, tuple)):
+        items = [_plain(v) for v in value]
+        return _SKIP if any(i is _SKIP for i in items) else items
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        items = {k: _plain(v) for k, v in value.items()}
+        return _SKIP if any(i is _SKIP for i in items.values()) else items
+    return _SKIP
+
+
+def recorded() -> dict[str, Any]:
+    """Every recorded value that JSON can hold (numbers, strings, lists and dicts of them), by name."""
+    return {name: plain for name, plain in ((n, _plain(v)) for n, v in GLUED.items()) if plain is not _SKIP}
+
+
+def write_metrics(path: str | Path, **fields: Any) -> Path:
+    """Write the lab's metrics JSON: ``fields`` (profile, parameters, per-run figures...) and, under
+    ``"recorded"``, every value the lab recorded for the text."""
+    path = Path(path)
+    path.write_text(json.dumps({**fields, "recorded": recorded()}, indent=1, default=str))
+    print(f"wrote {path}")
+    return path

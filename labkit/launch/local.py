@@ -64,7 +64,7 @@ def _worker(rank, world_size, device, port, fn, args, kwargs, results, timeout_s
                               timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend_for(device), store=store, rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s),
-                                **_eager(device, rank))
+                                **eager_init(device, rank))
         # Plain pickle, not torch's shared-memory reductions: the result must outlive this process.
         results.put((rank, True, pickle.dumps(fn(*args, **kwargs))))
         clean = True
@@ -114,7 +114,7 @@ def _context(device: str) -> Any:
     return ctx
 
 
-def _eager(device: str, local_rank: int) -> dict:
+def eager_init(device: str, local_rank: int) -> dict:
     # NCCL communicators are built at init, bound to this rank's GPU, rather than lazily at the
     # first collective (PyTorch docs, init_process_group's device_id): a bad GPU fails here.
     return {"device_id": torch.device("cuda", local_rank)} if device == "cuda" else {}
@@ -256,7 +256,7 @@ def init_from_env(device: str | None = None) -> tuple[int, int, torch.device]:
     dev = rank_device(device, local_rank)
     if not dist.is_initialized():
         share_cores(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-        dist.init_process_group(backend_for(device), **_eager(device, local_rank))
+        dist.init_process_group(backend_for(device), **eager_init(device, local_rank))
     return dist.get_rank(), dist.get_world_size(), dev
 
 
@@ -268,7 +268,7 @@ def init_one_rank(device: str = "cpu") -> torch.device:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(store.port))
     dev = rank_device(device, 0)
-    dist.init_process_group(backend_for(device), store=store, rank=0, world_size=1, **_eager(device, 0))
+    dist.init_process_group(backend_for(device), store=store, rank=0, world_size=1, **eager_init(device, 0))
     return dev
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from labkit.core.checks import one_of, positive_int
 from labkit.core.devices import DEVICE_TYPES, backend_for, rank_device
-from labkit.launch.local import RankError, leave_group
+from labkit.launch.local import RankError, eager_init, leave_group
 
 
 def _head_address(nodelist: str) -> str:
@@ -43,17 +43,38 @@ def _head_address(nodelist: str) -> str:
         return next((f.split("=", 1)[1] for f in out.split() if f.startswith("NodeAddr=")), head)
 
 
-def _task(fn: Callable, args: tuple, kwargs: dict, device: str) -> Any:
+def _rendezvous_port(folder: Path, job_id: str, rank: int, timeout: float = 300.0) -> int:
+    """A port rank 0 found free on the head node, published to the other tasks through the job's
+    shared folder. (A port derived from the job id, 20000 + id % 20000, is shared by two jobs whose
+    ids differ by 20000, and the second job's ranks would join the first job's store.)"""
+    path = folder / f"{job_id}_rendezvous_port"
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(str(port))
+        os.replace(tmp, path)  # whole or absent: a reader never sees half a number
+        return port
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: rank 0 of job {job_id} published no rendezvous port in {path} "
+                               f"within {timeout:.0f} s (is {folder} shared by every node?)")
+        time.sleep(0.2)
+    return int(path.read_text())
+
+
+def _task(fn: Callable, args: tuple, kwargs: dict, device: str, folder: str) -> Any:
     """Runs in every Slurm task: join the group from Slurm's variables, call ``fn``, leave."""
     env = os.environ
     rank, world, local = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env["SLURM_LOCALID"])
+    port = _rendezvous_port(Path(folder), env["SLURM_JOB_ID"], rank)
     env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
                LOCAL_WORLD_SIZE=env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0],
-               MASTER_ADDR=_head_address(env["SLURM_JOB_NODELIST"]),
-               # a port per job, so jobs sharing a node do not collide
-               MASTER_PORT=str(20000 + int(env["SLURM_JOB_ID"]) % 20000), LABKIT_DEVICE=device)
+               MASTER_ADDR=_head_address(env["SLURM_JOB_NODELIST"]), MASTER_PORT=str(port), LABKIT_DEVICE=device)
     rank_device(device, local)
-    dist.init_process_group(backend_for(device))
+    dist.init_process_group(backend_for(device), **eager_init(device, local))
     try:
         result = fn(*args, **kwargs)
     except BaseException:
@@ -121,7 +142,7 @@ def launch_slurm(fn: Callable, *args: Any, nodes: int = 1, tasks_per_node: int =
         params["gpus_per_node"] = tasks_per_node
     params.update(slurm_extra or {})
     ex.update_parameters(**params)
-    job = ex.submit(_task, fn, args, kwargs, device)
+    job = ex.submit(_task, fn, args, kwargs, device, str(folder))
     start, last = time.monotonic(), None
     while not job.done():
         state = job.state

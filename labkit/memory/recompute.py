@@ -40,7 +40,7 @@ _count_cpu_attention_flops()
 def measure_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, repeats: int = 3) -> dict:
     """One training step's activation bytes held for backward, peak bytes, FLOPs and wall time.
 
-    Saved bytes come from the live-storage count of :mod:`labkit.memory_probe` (it also sees what
+    Saved bytes come from the live-storage count of :mod:`labkit.memory.probe` (it also sees what
     selective checkpointing caches); the peak is CUDA's allocator peak on GPU, the saved figure on
     CPU. FLOPs are forward + backward from ``FlopCounterMode`` (matmuls and attention; element-wise
     ops count zero); time is the median of ``repeats`` after one warm-up step, with the spread
@@ -77,7 +77,7 @@ def largest_fit(model, recompute: str, world_size: int = 8, device_memory_gb: fl
 
     ``vary="n_layer"`` grows the model at fixed width: parameters scale with depth (12 h^2 per
     layer plus the embeddings), so this answers "how much larger a model fits". ``headroom`` is
-    kept free for temporaries, as :func:`labkit.choose.choose_strategy` does.
+    kept free for temporaries, as :func:`labkit.planning.choose.choose_strategy` does.
     """
     if vary not in ("micro_batch", "n_layer"):
         raise ValueError(f"vary={vary!r} is unknown; valid: ['micro_batch', 'n_layer']")

@@ -28,8 +28,8 @@ def deepspeed_config(stage: int, micro_batch: int, world_size: int, grad_accum: 
     """The DeepSpeed config for one ZeRO stage (DeepSpeed docs, "DeepSpeed Configuration JSON")."""
     if stage not in (1, 2, 3):
         raise ValueError(f"stage={stage!r} is unknown; valid ZeRO stages for DeepSpeed: [1, 2, 3]")
-    if precision not in ("fp32", "bf16"):
-        raise ValueError(f"precision={precision!r} is not supported with DeepSpeed here; valid: ['fp32', 'bf16']")
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision={precision!r} is not supported with DeepSpeed; valid: ['fp32', 'bf16', 'fp16']")
     # DeepSpeed's default reduces gradient buckets with a full all-reduce and keeps its own slice
     # (use_multi_rank_bucket_allreduce): 2 Psi for what ZeRO does with Psi. Reduce each slice to
     # its owner instead, the paper's reduce-scatter.
@@ -51,6 +51,10 @@ def deepspeed_config(stage: int, micro_batch: int, world_size: int, grad_accum: 
         "gradient_clipping": grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16"},
+        # fp16 weights with fp32 master copies and DeepSpeed's dynamic loss scaler ("loss_scale": 0):
+        # start at 2^16, halve on an overflow (skipping that step), double after 1000 clean steps.
+        "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
+                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
         "steps_per_print": 10**9,  # keep DeepSpeed's progress logging out of the labs
         "wall_clock_breakdown": False,
     }

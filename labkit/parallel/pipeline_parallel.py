@@ -72,7 +72,7 @@ def stage_bounds(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
 class GPTStage(nn.Module):
     """Layers ``[lo, hi)`` of a GPT; the embeddings on the first stage, final norm and head on the last.
 
-    Computes exactly what :meth:`labkit.model.GPT.forward` computes for those layers; submodule
+    Computes exactly what :meth:`labkit.core.model.GPT.forward` computes for those layers; submodule
     names are the GPT's (``blocks.3.attn.qkv.weight``), so state dicts merge back into the model's.
     """
 

@@ -196,7 +196,7 @@ def min_devices(model, stage: int, recompute: str = "none", device_memory_gb: fl
 def price_strategies(model, tokens: float, device_names: list[str], mfu: float = 0.4,
                      target_days: float = 30.0, stages: dict[str, int] | None = None) -> list[dict]:
     """For each device type and ZeRO stage: the fewest devices that fit, the devices a deadline
-    needs (a multiple of 8), and the run's time and price there (:func:`labkit.cost.price_run`)."""
+    needs (a multiple of 8), and the run's time and price there (:func:`labkit.planning.cost.price_run`)."""
 
     stages = stages or {"DDP": 0, "ZeRO-1": 1, "ZeRO-2 / FSDP SHARD_GRAD_OP": 2,
                         "ZeRO-3: FSDP FULL_SHARD or DeepSpeed ZeRO-3": 3}

@@ -1,0 +1,21 @@
+"""One call records a lab's number for the text (glue) and for its metrics file."""
+import json
+
+import numpy as np
+
+from labkit.labs import record as rec
+
+
+def test_recorded_values_reach_the_metrics_file_as_json_holds_them(tmp_path, monkeypatch):
+    monkeypatch.setattr(rec, "GLUED", {})
+    assert rec.record("speedup", np.float64(1.5)) == 1.5
+    rec.record("ranks", [np.int64(2), 3])
+    rec.record("nothing", float("nan"))
+    rec.record("by_rank", {"0": 1.0, "1": [2, 3]})
+    rec.record("figure", object())  # a matplotlib figure or a styled table: for the text only
+    rec.record("table", [object()])
+    path = rec.write_metrics(tmp_path / "lab.metrics.json", profile="ci", params={"steps": 2})
+    m = json.loads(path.read_text())
+    assert m == {"profile": "ci", "params": {"steps": 2},
+                 "recorded": {"speedup": 1.5, "ranks": [2, 3], "nothing": None, "by_rank": {"0": 1.0, "1": [2, 3]}}}
+    assert set(rec.GLUED) == {"speedup", "ranks", "nothing", "by_rank", "figure", "table"}
