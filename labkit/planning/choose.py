@@ -112,7 +112,7 @@ def _gb(x: int) -> str:
 
 
 def _options(shape, n_devices: int, device_memory_gb: float, micro_batch: int, seq_len: int | None,
-             precision: str, devices_per_node: int, usable: int, device: str, mfu: float) -> list[Option]:
+             precision: str, devices_per_node: int, usable: int, device: str, hfu: float) -> list[Option]:
     options = []
     s = seq_len or shape.seq_len
     for label, stage, recompute, offload, tp, pp, accumulate in CANDIDATES:
@@ -127,7 +127,7 @@ def _options(shape, n_devices: int, device_memory_gb: float, micro_batch: int, s
         # Every candidate trains the same global batch, micro_batch sequences per device: a replica on
         # tp x pp devices takes tp x pp times as many, in micro-batches of mb
         t = step_seconds(shape, n_devices, micro_batch * tp * pp, mb, s, stage, recompute, offload, tp, pp,
-                         device, mfu, devices_per_node)
+                         device, hfu, devices_per_node)
         options.append(Option(label if not accumulate else f"{label} ({micro_batch} micro-batches of 1)", est,
                               usable, t))
     return options
@@ -135,13 +135,15 @@ def _options(shape, n_devices: int, device_memory_gb: float, micro_batch: int, s
 
 def choose_strategy(model, n_devices: int, device_memory_gb: float = 80.0, micro_batch: int = 1,
                     seq_len: int | None = None, precision: str = "mixed", devices_per_node: int = 8,
-                    headroom: float = 0.1, device: str | None = None, mfu: float = 0.4) -> Recommendation:
+                    headroom: float = 0.1, device: str | None = None, hfu: float = 0.4) -> Recommendation:
     """Recommend, of the candidates that fit in ``(1 - headroom)`` of device memory, the one with the
     smallest estimated step time (ties: the earlier candidate), and say why.
 
     ``headroom`` keeps room for temporaries, communication buffers and allocator fragmentation,
     which the calculator does not model. ``device`` (a key of ``ACCELERATORS``) sets the peak for the
-    step-time estimate (default: the H100's); only the ranking depends on it.
+    step-time estimate (default: the H100's) and ``hfu`` the share of it sustained on every FLOP run,
+    recomputation included (hardware FLOPs utilisation, :mod:`labkit.planning.step_time`); only the
+    ranking depends on them.
     """
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
@@ -151,7 +153,7 @@ def choose_strategy(model, n_devices: int, device_memory_gb: float = 80.0, micro
     usable = int(device_memory_gb * GB * (1 - headroom))
     device = device or "h100-80gb"
     options = _options(shape, n_devices, device_memory_gb, micro_batch, seq_len, precision, devices_per_node,
-                       usable, device, mfu)
+                       usable, device, hfu)
     rule = rule_of_thumb(shape.n_params, device_memory_gb)
     fitting = [o for o in options if o.fits]
     best = min(fitting, key=lambda o: (round(o.step["total"], 4), options.index(o))) if fitting else None

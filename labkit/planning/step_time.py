@@ -4,8 +4,10 @@ The strategy chooser (:mod:`labkit.planning.choose`) ranks the configurations th
 estimate rather than by bytes alone. It is a first-order model, stated so that it can be argued with:
 
 * **Compute**: 6 FLOPs per parameter per token (Kaplan et al. 2020), 8 with full recomputation
-  (Korthikanti et al. 2022), over the ``tp x pp`` devices of one model replica, at ``mfu`` of the
-  device's dense bf16 peak.
+  (Korthikanti et al. 2022), over the ``tp x pp`` devices of one model replica, at ``hfu`` of the
+  device's dense bf16 peak. That is hardware FLOPs utilisation (every FLOP run, recomputation
+  included; Chowdhery et al. 2022, appendix B), the rate a device sustains whatever the FLOPs are
+  for; model FLOPs utilisation (MFU, 6ND only) then falls by 6/8 under full recomputation.
 * **Data parallelism**: each rank sends 2(N-1)/N of the 16-bit gradients per step under DDP and
   ZeRO-1/2, 3(N-1)/N under ZeRO-3 (Rajbhandari et al. 2020, section 7), over NVLink inside a node
   and InfiniBand across nodes. Buckets overlap it with backward (two thirds of the compute), so only
@@ -26,14 +28,14 @@ from labkit.planning.accelerators import accelerator, interconnect
 
 
 def step_seconds(shape: ModelShape, n_devices: int, sequences: int, micro_batch: int, seq_len: int, stage: int,
-                 recompute: str, offload: bool, tp: int, pp: int, device: str, mfu: float = 0.4,
+                 recompute: str, offload: bool, tp: int, pp: int, device: str, hfu: float = 0.4,
                  devices_per_node: int = 8) -> dict[str, float]:
     """The parts of one step's time, in seconds, and their ``total``, per the module docstring:
     ``sequences`` of ``seq_len`` tokens per model replica per step (one replica on ``tp x pp`` devices,
     ``n_devices / (tp x pp)`` replicas), in micro-batches of ``micro_batch``."""
     dp = n_devices // (tp * pp)
     microbatches = max(1, sequences // micro_batch)
-    peak = accelerator(device).peak_bf16_tflops * 1e12 * mfu
+    peak = accelerator(device).peak_bf16_tflops * 1e12 * hfu
     compute = (8 if recompute == "full" else 6) * shape.n_params * sequences * seq_len / (tp * pp) / peak
     dp_link = interconnect("nvlink4" if n_devices <= devices_per_node else "ib-ndr").gb_per_s * 1e9
     grads16 = 2 * shape.n_params / (tp * pp)
