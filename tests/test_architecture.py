@@ -75,7 +75,7 @@ def test_readme_and_intro_map_every_chapter_to_its_lab_and_sub_package():
         rows = [line for line in text.splitlines() if line.startswith("|") and "labkit." in line]
         assert rows, f"{doc.name} has no chapter -> lab -> sub-package table"
         for chapter in chapters:
-            if chapter in ("instructors",):
+            if chapter in ("instructors", "clusters_runbook", "glossary", "references"):  # no lab, no package
                 continue
             assert any(chapter in r or chapter.replace("_", " ") in r.lower() for r in rows), (doc.name, chapter)
         for lab in labs:

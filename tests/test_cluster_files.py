@@ -318,7 +318,7 @@ def test_image_installs_exactly_the_projects_requirements():
     image = values["singleuser"]["image"]["name"]
     assert image == _kustomization(K8S)["images"][0]["newName"]  # hub and training pods: one image
     # the build command the docs give tags that image
-    for doc in (ROOT / "book" / "clusters.md", CLUSTER / "README.md"):
+    for doc in (ROOT / "book" / "clusters.md", ROOT / "book" / "clusters_runbook.md", CLUSTER / "README.md"):
         tags = re.findall(r"^docker build -f cluster/jupyterhub/Dockerfile -t (\S+) \.$", doc.read_text(), re.M)
         assert tags and {t.split(":")[0] for t in tags} == {image}, doc
 
@@ -503,8 +503,35 @@ def test_images_are_pinned_so_replaced_pods_run_the_same_code():
     assert hub_tag == k8s_tag and re.fullmatch(r"\d+\.\d+\.\d+(@sha256:[0-9a-f]{64})?", hub_tag), hub_tag
     steps = _dockerfile(HUB / "Dockerfile")
     base = next(a for i, a in steps if i == "ARG" and a.startswith("BASE="))
-    assert re.fullmatch(r"BASE=python:3\.11\.\d+-slim-bookworm(@sha256:[0-9a-f]{64})?", base), base
+    assert re.fullmatch(r"BASE=python:3\.11\.\d+-slim-bookworm@sha256:[0-9a-f]{64}", base), base
     assert next(a for i, a in steps if i == "FROM") == "${BASE}"
+
+
+def test_pin_image_pins_the_pushed_digest_in_every_recipe(tmp_path):
+    """Our own image's digest exists only once it is pushed: cluster/pin-image.sh writes it into the
+    Kubernetes Job's kustomization and the hub's values (here on copies, with the digest given)."""
+    kust, values = tmp_path / "kustomization.yaml", tmp_path / "values.yaml"
+    shutil.copy(K8S / "kustomization.yaml", kust)
+    shutil.copy(HUB / "values.yaml", values)
+    digest = "sha256:" + "ab" * 32
+    env = {**os.environ, "KUSTOMIZATION": str(kust), "VALUES": str(values), "DIGEST": digest}
+    run = lambda *a: subprocess.run(["bash", str(CLUSTER / "pin-image.sh"), *a], env=env, capture_output=True,
+                                    text=True, timeout=60)
+    out = run("ghcr.io/training-at-scale/labkit:0.2.0")
+    assert out.returncode == 0, out.stderr
+    image = yaml.safe_load(kust.read_text())["images"][0]
+    assert image == {"name": "labkit", "newName": "ghcr.io/training-at-scale/labkit", "newTag": "0.2.0",
+                     "digest": digest}
+    assert yaml.safe_load(values.read_text())["singleuser"]["image"]["tag"] == f"0.2.0@{digest}"
+    assert run("ghcr.io/training-at-scale/labkit:0.2.0").returncode == 0  # again: nothing changes
+    assert yaml.safe_load(kust.read_text())["images"][0]["digest"] == digest
+    for bad, why in [("labkit:latest", "'latest' moves"), ("ghcr.io/x/labkit@sha256:" + "0" * 64, "already names"),
+                     ("labkit", "must be REGISTRY/NAME:TAG")]:
+        out = run(bad)
+        assert out.returncode == 2 and why in out.stderr and out.stderr.count("\n") == 1, out.stderr
+    env["DIGEST"] = "sha256:xyz"
+    out = run("ghcr.io/training-at-scale/labkit:0.2.0")
+    assert out.returncode == 2 and "is not sha256: followed by 64 hex digits" in out.stderr
 
 
 def test_training_pods_run_as_the_images_user_without_privileges():

@@ -387,3 +387,31 @@ def test_pipeline_parallel_lab_metrics(lab_metrics):
     lay = m["layout"]
     assert (lay["tp"], lay["pp"], lay["dp"]) == (8, 2, 64) and lay["gb"] < 0.9 * P["plan_device_gb"]
     assert any(not o["fits"] for o in m["layouts"]) and any(o["fits"] for o in m["layouts"])
+
+
+def test_communication_lab_metrics(lab_metrics):
+    m = lab_metrics["communication"]
+    P, rec = m["params"], m["recorded"]
+    assert m["profile"] == "ci" and P["device"] == "cpu"
+    # every collective at every size; bus bandwidth is algbw x nccl-tests' factor, exactly
+    assert {r["op"] for r in m["bench"]} == set(P["ops"]) and len(m["bench"]) == len(P["ops"]) * rec["comm_n_sizes"]
+    assert rec["comm_factor_err"] == 0.0
+    # The stated error of the alpha-beta fit on loopback CPU collectives (noisy, not quite linear in
+    # S): half the measured time at the median size. Synthetic data is held to exact recovery in
+    # tests/test_communication.py.
+    assert rec["comm_fit_median_err"] < 0.5
+    assert all(f["alpha_s"] >= 0 and f["beta_s_per_byte"] > 0 for f in m["fits"].values())
+    # overlap, from the traces the lab wrote: exposed is part of what was sent
+    for o in m["overlap"].values():
+        assert 0 <= o["exposed_s"] <= o["communication_s"] and o["hidden_s"] + o["exposed_s"] == pytest.approx(
+            o["communication_s"])
+    # accumulation: the gradients are reduced once per step, or once per micro-batch when asked
+    assert rec["comm_accum_ddp_ratio"] == rec["comm_accum_fsdp_ratio"] == P["accum"]
+    assert rec["comm_accum_loss_diff"] < 1e-6
+    # HSDP on 2 x 2: equal to one process; the mesh dimensions carry the formula's bytes
+    h = m["hsdp"]
+    assert h["max_loss_diff"] < 1e-5 and h["measured"]["shard"] == h["formula"]["shard"]["payload"]
+    assert h["measured"]["replicate"] == h["formula"]["replicate"]["payload"]
+    assert rec["comm_hsdp_state_ratio"] == pytest.approx(2.0, rel=1e-3)
+    # the slow run: slower than one process with every cause, faster with none
+    assert rec["comm_diag_first"] < 1 < rec["comm_diag_last"] and rec["comm_mismatch_detected"]

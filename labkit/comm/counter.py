@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -50,6 +51,21 @@ def ring_volume(bytes_by_op: dict[str, int], world_size: int) -> float:
     return sum(RING_FACTOR.get(op, 0) * b * frac for op, b in bytes_by_op.items())
 
 
+def _group_name(func, args: tuple) -> str:
+    """The name of the process group a collective runs on ("?" where it cannot be told): c10d ops
+    carry the group object, functional ones its name (their last string argument)."""
+    if func.namespace == "_c10d_functional":
+        names = [a for a in args if isinstance(a, str)]
+        return names[-1] if names else "?"
+    for a in args:
+        if type(a).__name__ == "ScriptObject":
+            try:
+                return dist.ProcessGroup.unbox(a).group_name
+            except RuntimeError:  # another script object (a ReduceOp)
+                continue
+    return "?"
+
+
 class CommCounter(TorchDispatchMode):
     """Count collective calls and payload bytes per op name while active.
 
@@ -74,6 +90,8 @@ class CommCounter(TorchDispatchMode):
         super().__init__()
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        # payload bytes per process group (its name) and op: which mesh dimension carried what
+        self.by_group: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -84,7 +102,9 @@ class CommCounter(TorchDispatchMode):
                 self.calls[name] += 1
                 # A functional all-gather is handed its input shard: its payload is what it returns
                 gathered = func.namespace == "_c10d_functional" and raw.startswith("all_gather")
-                self.bytes[name] += _tensor_bytes(out) if gathered else _payload_bytes(name, args)
+                nbytes = _tensor_bytes(out) if gathered else _payload_bytes(name, args)
+                self.bytes[name] += nbytes
+                self.by_group[_group_name(func, args)][name] += nbytes
         return out
 
     @property

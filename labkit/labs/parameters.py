@@ -39,7 +39,7 @@ def _rank_counts(n: int) -> list[int]:
 
 # Labs that are about splitting one model over ranks: below this many GPUs, their gpu profile runs
 # the cpu profile on CPU processes instead (and says so), rather than pretend on one GPU.
-MIN_GPUS = {"tensor_parallel": 2, "pipeline_parallel": 2}
+MIN_GPUS = {"tensor_parallel": 2, "pipeline_parallel": 2, "communication": 2}
 
 
 def fit_to_gpus(lab: str, p: dict, n: int) -> dict:
@@ -64,6 +64,8 @@ def fit_to_gpus(lab: str, p: dict, n: int) -> dict:
         fits = [k for k in range(1, n + 1) if p["n_layer"] >= 2 * k and p["microbatches"] >= k]
         p["world_size"] = min(p["world_size"], max(fits))
         p["mem_pp"] = min(p["mem_pp"], max(k for k in fits if p["mem_microbatches"] >= k))
+    if "hsdp_world" in p:  # a replicas x shard mesh needs every one of its ranks
+        p["hsdp_world"] = min(p["hsdp_world"], n)
     if isinstance(p.get("world_size"), int):
         p["world_size"] = min(p["world_size"], n)
         p["multi_rank"] = p["world_size"] >= 2

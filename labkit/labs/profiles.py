@@ -142,6 +142,24 @@ PROFILES: dict[str, dict[str, dict]] = {
                     article_batch=32, article_medians=[10, 25, 50, 80, 120, 200, 300], bench_n=200_000, seed=0),
     },
 }
+# The wire: collectives timed over message sizes, overlap seen in traces, HSDP, a slow run diagnosed.
+_OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "sendrecv"]
+PROFILES["communication"] = {
+    "cpu": dict(**FP32, device="cpu", world_size=2, ops=_OPS, min_bytes=256, max_bytes=16 << 20, step_factor=4,
+                target_ms=40.0, n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16, steps=4,
+                lr=1e-3, seed=0, bucket_mbs=[0.01, 0.25, 25.0], accum=4, hsdp_world=4, replicas=2,
+                slow_rows=1, fast_rows=8, input_delay_ms=30.0, slow_link_gbps=0.02, diag_steps=8),
+    "ci": dict(**FP32, device="cpu", world_size=2, ops=_OPS, min_bytes=256, max_bytes=4 << 20, step_factor=4,
+               target_ms=20.0, n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=8, steps=4,
+               lr=1e-3, seed=0, bucket_mbs=[0.01, 0.25, 25.0], accum=4, hsdp_world=4, replicas=2,
+               slow_rows=1, fast_rows=4, input_delay_ms=20.0, slow_link_gbps=0.02, diag_steps=5),
+    # GPT-2 small's shape on every GPU of a node; messages up to 256 MB, as nccl-tests runs them.
+    "gpu": dict(**BF16_TF32, device="cuda", world_size="all", ops=_OPS, min_bytes=256, max_bytes=256 << 20,
+                step_factor=4, target_ms=50.0, n_layer=12, n_head=12, n_embd=768, block_size=1024,
+                batch_size="8 per rank", steps=6, lr=6e-4, seed=0, bucket_mbs=[0.25, 5.0, 25.0], accum=4,
+                hsdp_world=4, replicas=2, slow_rows=1, fast_rows=8, input_delay_ms=100.0, slow_link_gbps=1.0,
+                diag_steps=8),
+}
 # Pure arithmetic: no profile changes what it computes, but every lab answers to the same names.
 PROFILES["strategy_cost"]["ci"] = PROFILES["strategy_cost"]["gpu"] = PROFILES["strategy_cost"]["cpu"]
 # Fault tolerance: a torchrun job killed and preempted on purpose, checkpoint costs, the $18,000 run.
@@ -173,4 +191,5 @@ GPU_CHECK: dict[str, dict] = {
     "input_pipeline": dict(steps=12, synth_steps=8, epochs=2, epoch_batches=4, straggler_steps=8, setup_ms=500.0),
     "packing": dict(steps=20, warmup=4, article_n=200_000, bench_n=50_000),
     "fault_tolerance": dict(steps=40, save_every=10, bench_repeats=2, naive_trials=10),
+    "communication": dict(max_bytes=16 << 20, steps=4, diag_steps=4),
 }

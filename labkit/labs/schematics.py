@@ -1,11 +1,10 @@
 """The book's schematics, drawn from labkit's own code so that a figure cannot disagree with it.
-
 * :func:`zero_holdings`: what each rank holds under DDP and ZeRO 1-3, sharding as the calculator's.
 * :func:`tp_split`: Megatron-LM's column- then row-parallel MLP with its ``f`` and ``g`` operators.
 * :func:`pp_schedules`: ideal GPipe and 1F1B, each stage's order from ``schedule_order``.
 * :func:`device_mesh`: 2-D and 3-D meshes and the ranks of each group.
 * :func:`memory_70b`: the memory chapter's 70B scenario as stacked bars, every number the calculator's.
-
+* :func:`labkit.labs.collective_figures.collectives`: the seven collectives, before and after.
 :func:`write_all` writes them to ``book/images`` (``python -m labkit.labs.schematics``); a test
 regenerates them and compares byte for byte.
 """
@@ -15,6 +14,7 @@ import sys
 from itertools import accumulate, product
 from pathlib import Path
 
+from labkit.labs.collective_figures import collectives
 from labkit.labs.svg import ALERT, INK, OWNER_FILL, OWNER_STROKE, RANK_FILL, RANK_STROKE, Svg, num
 from labkit.memory.calculator import GB, estimate_memory, model_state_breakdown
 from labkit.parallel.pipeline_parallel import schedule_order
@@ -283,7 +283,7 @@ def memory_70b(numbers: dict | None = None) -> str:
 
 
 FIGURES = {"zero_holdings.svg": zero_holdings, "tp_split.svg": tp_split, "pp_schedules.svg": pp_schedules,
-           "device_mesh.svg": device_mesh, "memory_70b.svg": memory_70b}
+           "device_mesh.svg": device_mesh, "memory_70b.svg": memory_70b, "collectives.svg": collectives}
 
 
 def write_all(out_dir: str | Path = IMAGES) -> list[Path]:

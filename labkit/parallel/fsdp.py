@@ -13,8 +13,12 @@ import torch.nn as nn
 
 
 def fully_shard_gpt(model: nn.Module, device: torch.device, reshard_after_forward: bool = True,
-                    cpu_offload: bool = False, bf16_params: bool = False) -> nn.Module:
-    """Shard every block of the GPT, then the root (embeddings, final norm, tied head), in place."""
+                    cpu_offload: bool = False, bf16_params: bool = False, mesh=None) -> nn.Module:
+    """Shard every block of the GPT, then the root (embeddings, final norm, tied head), in place.
+
+    ``mesh``: by default every rank in one shard group. A 2-D mesh whose dimensions are
+    ``("replicate", "shard")`` gives hybrid sharding (HSDP, PyTorch's FSDP2 docs): each shard group
+    holds one copy of the model, and gradient shards are all-reduced across the copies."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
@@ -22,7 +26,7 @@ def fully_shard_gpt(model: nn.Module, device: torch.device, reshard_after_forwar
         fully_shard,
     )
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if cpu_offload:
         # Pinned host memory makes the device copies asynchronous; it needs an accelerator to exist.

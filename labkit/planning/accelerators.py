@@ -73,7 +73,8 @@ class Interconnect:
     source: str
 
 
-# Datasheet rates, per GPU and per direction.
+# Datasheet rates, per GPU and per direction. The three the planners use first; then, for the
+# communication chapter's table, the generations a reader meets (vendors' and standards' figures).
 INTERCONNECTS = {
     "nvlink4": Interconnect("NVLink (in a node)", 450.0, "NVIDIA H100 SXM datasheet: NVLink 900 GB/s, both "
                             "directions together"),
@@ -81,6 +82,19 @@ INTERCONNECTS = {
                            "one port per GPU"),
     "pcie4": Interconnect("PCIe 4.0 x16 (to host memory)", 25.0, "PCI-SIG: 16 GT/s x 16 lanes, about 32 GB/s per "
                           "direction; about 25 GB/s achieved (an assumption)"),
+    "nvlink2": Interconnect("NVLink 2 (V100)", 150.0, "NVIDIA V100 datasheet: 300 GB/s, both directions together"),
+    "nvlink3": Interconnect("NVLink 3 (A100)", 300.0, "NVIDIA A100 datasheet: 600 GB/s, both directions together"),
+    "nvlink5": Interconnect("NVLink 5 (B200)", 900.0, "NVIDIA Blackwell datasheet: 1.8 TB/s, both directions "
+                            "together"),
+    "pcie3-x16": Interconnect("PCIe 3.0 x16", 15.75, "PCI-SIG: 8 GT/s x 16 lanes, 128b/130b encoding"),
+    "pcie4-x16": Interconnect("PCIe 4.0 x16", 31.5, "PCI-SIG: 16 GT/s x 16 lanes, 128b/130b encoding"),
+    "pcie5-x16": Interconnect("PCIe 5.0 x16", 63.0, "PCI-SIG: 32 GT/s x 16 lanes, 128b/130b encoding"),
+    "ib-hdr": Interconnect("InfiniBand HDR", 25.0, "NVIDIA ConnectX-6: 200 Gb/s per port"),
+    "ib-xdr": Interconnect("InfiniBand XDR", 100.0, "NVIDIA ConnectX-8 / Quantum-X800: 800 Gb/s per port"),
+    "roce-100": Interconnect("RoCE, 100 GbE", 12.5, "IEEE 802.3 100 Gb/s Ethernet, RDMA over Converged Ethernet"),
+    "roce-400": Interconnect("RoCE, 400 GbE", 50.0, "IEEE 802.3 400 Gb/s Ethernet, RDMA over Converged Ethernet"),
+    "eth-10": Interconnect("Ethernet, 10 GbE (TCP)", 1.25, "IEEE 802.3 10 Gb/s"),
+    "eth-25": Interconnect("Ethernet, 25 GbE (TCP)", 3.125, "IEEE 802.3 25 Gb/s"),
 }
 
 

@@ -46,6 +46,13 @@ class TrainConfig:
                                      "forward (ZeRO-3); --no-reshard-after-forward keeps them until backward")
     cpu_offload: bool = _f(False, "strategy", "fsdp: keep parameter, gradient and optimizer shards in CPU memory")
     fsdp_bf16: bool = _f(False, "strategy", "fsdp: bf16 parameters for compute, fp32 shards and reductions")
+    link_gbps: float = _f(0.0, "strategy", "ddp: emulate a slower link, each bucket's all-reduce held back for its "
+                          "ring bytes over this many GB/s (0: the real link)")
+    replicas: int = _f(2, "strategy", "hsdp: replicas of the model, each sharded over world/replicas ranks (FSDP2 "
+                       "on a replicate x shard mesh)")
+    sync_each_microbatch: bool = _f(False, "strategy", "ddp, dp_naive, dp_bucketed, fsdp, hsdp: synchronise "
+                                    "gradients after every micro-batch, not only the last (what no_sync and "
+                                    "set_requires_gradient_sync save)")
     offload_optimizer: bool = _f(False, "strategy", "zero1/zero2/zero3: Adam states and step on the CPU "
                                  "(ZeRO-Offload)")
     tp: int = _f(0, "strategy", "tp, tp_scratch: tensor-parallel degree, ranks per group (0: every rank); the "
@@ -66,6 +73,8 @@ class TrainConfig:
     lr_schedule: str = _f("constant", "data and optimisation", "constant, or cosine decay to lr/10 at the last "
                           "step (after --warmup-steps)", LR_SCHEDULES)
     warmup_steps: int = _f(0, "data and optimisation", "steps of linear warmup from lr/warmup_steps")
+    input_delay_ms: float = _f(0.0, "data and optimisation", "wait this long for every batch, inside the timed "
+                               "step: a data loader that cannot keep up, emulated")
     seed: int = _f(0, "data and optimisation", "seeds the weights, the data order and every rank's RNGs")
     precision: str = _f("fp32", "precision and memory", "fp32; bf16 or fp16 autocast with fp32 weights "
                         "(fp16 adds loss scaling)", TRAIN_PRECISIONS)
@@ -111,13 +120,15 @@ class TrainConfig:
     def __post_init__(self) -> None:
         from labkit.train.strategies import check_config
 
-        for name in ("steps", "batch_size", "grad_accum", "keep_last", "microbatches"):
+        for name in ("steps", "batch_size", "grad_accum", "keep_last", "microbatches", "replicas"):
             positive_int(name, getattr(self, name))
         for name in ("warmup_steps", "save_every", "tp", "pp", "seed"):
             non_negative_int(name, getattr(self, name))
         positive_number("lr", self.lr)
         positive_number("bucket_cap_mb", self.bucket_cap_mb)
         non_negative_number("weight_decay", self.weight_decay)
+        non_negative_number("link_gbps", self.link_gbps)
+        non_negative_number("input_delay_ms", self.input_delay_ms)
         non_negative_number("grad_clip", self.grad_clip)
         one_of("pp_schedule", self.pp_schedule, PP_SCHEDULES, "pipeline schedules")
         one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES, "schedules")

@@ -90,6 +90,8 @@ def _step(plan: Plan, rec: _Record, step: int, x: torch.Tensor, y: torch.Tensor)
     plan.before_step()
     synchronize(plan.device)
     t0 = time.perf_counter()
+    if plan.cfg.input_delay_ms:  # a loader that cannot keep up: the step waits for its batch
+        time.sleep(plan.cfg.input_delay_ms / 1e3)
     with CommCounter() if counted else nullcontext() as counter:
         local = plan.step(x, y)
     synchronize(plan.device)

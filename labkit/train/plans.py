@@ -140,7 +140,7 @@ class Plan:
         """Forward and backward of every micro-batch; the mean loss of this rank's rows."""
         loss = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micros):
-            with self.no_sync(i == len(micros) - 1):
+            with self.no_sync(i == len(micros) - 1 or self.cfg.sync_each_microbatch):
                 with self.autocast():
                     micro_loss = self.model(x, y)[1]  # drop the logits: only autograd needs what it saved
                 micro_loss = micro_loss / len(micros)  # the step's loss is the mean over micro-batches
@@ -217,7 +217,14 @@ class DDPPlan(Plan):
     def wrap(self, model: GPT) -> nn.Module:
         from labkit.parallel.data_parallel import wrap_ddp
 
-        return wrap_ddp(model, self.device, self.cfg.bucket_cap_mb) if self.world > 1 else model
+        if self.world == 1:
+            return model
+        ddp = wrap_ddp(model, self.device, self.cfg.bucket_cap_mb)
+        if self.cfg.link_gbps:
+            from labkit.comm.slow_link import slow_link_hook
+
+            ddp.register_comm_hook(None, slow_link_hook(self.cfg.link_gbps))
+        return ddp
 
     def no_sync(self, last: bool) -> ContextManager:
         return self.model.no_sync() if not last and hasattr(self.model, "no_sync") else nullcontext()

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from labkit.core.checks import one_of
 from labkit.train.deepspeed_plan import DeepSpeedPlan
+from labkit.train.hsdp_plan import HSDPPlan
 from labkit.train.model_parallel_plans import PipelinePlan, TensorParallelPlan
 from labkit.train.plans import (
     BucketedPlan,
@@ -51,19 +52,25 @@ class Strategy:
     reshardable: bool = True
 
 
+_SYNC = "sync_each_microbatch"
 _DS = "the same run on DeepSpeed (deepspeed.initialize with the client AdamW)"
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("single", "one process, no wrapper: the reference every parallel run is held against",
              "nothing", 0, 0.0, SinglePlan),
     Strategy("ddp", "torch DistributedDataParallel: bucketed all-reduce of gradients under backward",
-             "nothing (the batch)", 0, 2.0, DDPPlan, options=("bucket_cap_mb",)),
+             "nothing (the batch)", 0, 2.0, DDPPlan, options=("bucket_cap_mb", _SYNC, "link_gbps")),
     Strategy("dp_naive", "data parallel by hand: one all-reduce per gradient after backward",
-             "nothing (the batch)", 0, 2.0, NaivePlan, teaching=True),
+             "nothing (the batch)", 0, 2.0, NaivePlan, options=(_SYNC,), teaching=True),
     Strategy("dp_bucketed", "data parallel by hand: DDP's buckets, launched as soon as they are full",
-             "nothing (the batch)", 0, 2.0, BucketedPlan, options=("bucket_cap_mb",), teaching=True),
+             "nothing (the batch)", 0, 2.0, BucketedPlan, options=("bucket_cap_mb", _SYNC), teaching=True),
     Strategy("fsdp", "FSDP2 fully_shard per block, then the root: ZeRO-3 in PyTorch",
              "parameters, gradients, optimizer states", 3, 3.0, FSDPPlan,
-             options=("reshard_after_forward", "cpu_offload", "fsdp_bf16"), needs_group=True),
+             options=("reshard_after_forward", "cpu_offload", "fsdp_bf16", _SYNC), needs_group=True),
+    # Per step: 3 Psi (S-1)/S inside each shard group of S = world/replicas ranks, plus an all-reduce
+    # of each rank's Psi/S gradient shard across the replicas (HSDPPlan.comm_formula): two numbers.
+    Strategy("hsdp", "hybrid sharding, FSDP2 on a 2-D mesh: shard within a group (a node), replicate across",
+             "parameters, gradients, optimizer states (within a shard group)", 3, None, HSDPPlan,
+             options=("replicas", "reshard_after_forward", _SYNC), needs_group=True),
     Strategy("zero1", f"DeepSpeed ZeRO stage 1: {_DS}", "optimizer states", 1, 2.0, DeepSpeedPlan,
              options=("offload_optimizer",), deepspeed=True, needs_group=True,
              reshardable=False),
