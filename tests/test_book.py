@@ -14,14 +14,15 @@ from labkit.labs import LABS_DIR, list_labs
 ROOT = Path(__file__).resolve().parent.parent
 HTML = ROOT / "_build" / "html"
 # page -> figures it must show (glued from the executed labs, or the lab's own plots)
-PAGES = {"book/data_parallel.html": 4, "book/labs/data_parallel.html": 3, "book/memory.html": 3,
-         "book/labs/memory.html": 3, "book/zero_fsdp.html": 6, "book/labs/zero_fsdp.html": 5, "book/activation_checkpointing.html": 2,
+PAGES = {"book/data_parallel.html": 4, "book/labs/data_parallel.html": 3, "book/memory.html": 4,
+         "book/communication.html": 4, "book/labs/communication.html": 3,
+         "book/labs/memory.html": 3, "book/zero_fsdp.html": 7, "book/labs/zero_fsdp.html": 5, "book/activation_checkpointing.html": 2,
          "book/labs/activation_checkpointing.html": 2, "book/strategy_cost.html": 1, "book/labs/strategy_cost.html": 1,
          "book/input_pipeline.html": 5, "book/labs/input_pipeline.html": 5,
          "book/packing.html": 7, "book/labs/packing.html": 7,
          "book/fault_tolerance.html": 4, "book/labs/fault_tolerance.html": 3,
          "book/clusters.html": 2, "book/instructors.html": 0,
-         "book/model_parallel.html": 8, "book/labs/tensor_parallel.html": 3, "book/labs/pipeline_parallel.html": 5,
+         "book/model_parallel.html": 11, "book/labs/tensor_parallel.html": 3, "book/labs/pipeline_parallel.html": 5,
          "book/intro.html": 0}
 
 
@@ -169,4 +170,27 @@ def test_every_lab_page_launches_the_lab_on_the_hub_and_downloads_its_notebook(b
         assert downloads, f"{lab}: no download button for the notebook"
         with urllib.request.urlopen(urljoin(page.url, downloads[0])) as r:
             assert _json.loads(r.read())["cells"], lab
+    page.close()
+
+
+@pytest.mark.parametrize("path", list(PAGES))
+def test_nothing_scrolls_sideways_and_the_plumbing_is_hidden(browser, server, path):
+    """Every code line fits its block and every table its column; on a lab page the cells that only
+    record numbers for the text (tagged remove-input) are not shown."""
+    page, _ = _open(browser, f"{server}/{path}")
+    wide = page.eval_on_selector_all(
+        "article div.highlight pre, article div.cell_output pre",
+        "els => els.filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.innerText.split('\\n')"
+        ".reduce((a, b) => a.length > b.length ? a : b).slice(0, 100))")
+    assert not wide, f"{path}: code or output wider than its block: {wide[:3]}"
+    overflowing = page.eval_on_selector_all(
+        "article table",
+        "ts => ts.filter(t => t.getBoundingClientRect().right > t.closest('article')"
+        ".getBoundingClientRect().right + 1).map(t => t.innerText.slice(0, 80))")
+    assert not overflowing, f"{path}: a table wider than the page column: {overflowing}"
+    if "/labs/" in path:
+        code = " ".join(page.locator("article div.cell_input").all_text_contents())
+        assert "record(" not in code, f"{path}: a cell that only records numbers is shown"
+        lab = path.rsplit("/", 1)[1].replace(".html", "")
+        assert "record(" in (LABS_DIR / f"{lab}.md").read_text(), f"{lab} records nothing for the text"
     page.close()
