@@ -68,9 +68,30 @@ def _open(browser, url):
     return page, errors
 
 
-@pytest.mark.parametrize("path", [p for p, n in PAGES.items() if n])
-def test_figures_load_math_renders_and_no_console_errors(browser, server, path):
+def _sideways(page, path: str) -> None:
+    """No code line, output line or table wider than its column; on a lab page the cells that only
+    record numbers for the text (tagged remove-input) are not shown."""
+    wide = page.eval_on_selector_all(
+        "article div.highlight pre, article div.cell_output pre",
+        "els => els.filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.innerText.split('\\n')"
+        ".reduce((a, b) => a.length > b.length ? a : b).slice(0, 100))")
+    assert not wide, f"{path}: code or output wider than its block: {wide[:3]}"
+    overflowing = page.eval_on_selector_all(
+        "article table",
+        "ts => ts.filter(t => t.getBoundingClientRect().right > t.closest('article')"
+        ".getBoundingClientRect().right + 1).map(t => t.innerText.slice(0, 80))")
+    assert not overflowing, f"{path}: a table wider than the page column: {overflowing}"
+    if "/labs/" in path:
+        code = " ".join(page.locator("article div.cell_input").all_text_contents())
+        assert "record(" not in code, f"{path}: a cell that only records numbers is shown"
+        lab = path.rsplit("/", 1)[1].replace(".html", "")
+        assert "record(" in (LABS_DIR / f"{lab}.md").read_text(), f"{lab} records nothing for the text"
+
+
+@pytest.mark.parametrize("path", list(PAGES))
+def test_figures_load_math_renders_nothing_scrolls_sideways_and_no_console_errors(browser, server, path):
     page, errors = _open(browser, f"{server}/{path}")
+    _sideways(page, path)
     images = page.eval_on_selector_all(
         "article img", "imgs => imgs.map(i => [i.getAttribute('src'), i.complete && i.naturalWidth > 0])")
     assert len(images) >= PAGES[path], images
@@ -172,25 +193,3 @@ def test_every_lab_page_launches_the_lab_on_the_hub_and_downloads_its_notebook(b
             assert _json.loads(r.read())["cells"], lab
     page.close()
 
-
-@pytest.mark.parametrize("path", list(PAGES))
-def test_nothing_scrolls_sideways_and_the_plumbing_is_hidden(browser, server, path):
-    """Every code line fits its block and every table its column; on a lab page the cells that only
-    record numbers for the text (tagged remove-input) are not shown."""
-    page, _ = _open(browser, f"{server}/{path}")
-    wide = page.eval_on_selector_all(
-        "article div.highlight pre, article div.cell_output pre",
-        "els => els.filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.innerText.split('\\n')"
-        ".reduce((a, b) => a.length > b.length ? a : b).slice(0, 100))")
-    assert not wide, f"{path}: code or output wider than its block: {wide[:3]}"
-    overflowing = page.eval_on_selector_all(
-        "article table",
-        "ts => ts.filter(t => t.getBoundingClientRect().right > t.closest('article')"
-        ".getBoundingClientRect().right + 1).map(t => t.innerText.slice(0, 80))")
-    assert not overflowing, f"{path}: a table wider than the page column: {overflowing}"
-    if "/labs/" in path:
-        code = " ".join(page.locator("article div.cell_input").all_text_contents())
-        assert "record(" not in code, f"{path}: a cell that only records numbers is shown"
-        lab = path.rsplit("/", 1)[1].replace(".html", "")
-        assert "record(" in (LABS_DIR / f"{lab}.md").read_text(), f"{lab} records nothing for the text"
-    page.close()
