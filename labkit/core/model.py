@@ -54,17 +54,22 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
+        # A strategy may replace the attention kernel, (q, k, v) -> output, each (B, heads, T, head_dim):
+        # context parallelism's ring attention sees only this rank's slice of the sequence.
+        self.attend = None
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, T, C) -> (B, heads, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        # is_causal=True lets SDPA pick its fused causal kernels; a packed batch brings its own mask.
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
-            dropout_p=self.dropout if self.training else 0.0,
-        )
+        if self.attend is not None:
+            y = self.attend(q, k, v)
+        else:  # is_causal=True lets SDPA pick its fused causal kernels; a packed batch brings its own mask
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+                dropout_p=self.dropout if self.training else 0.0,
+            )
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 

@@ -2,6 +2,10 @@
 
 * :mod:`labkit.memory.calculator`: model states under ZeRO 0-3 and activations per layer
   (Rajbhandari et al. 2020; Korthikanti et al. 2022), per device, for any model shape.
+* :mod:`labkit.memory.architecture` and :mod:`labkit.memory.hf_config`: any transformer's shape (a
+  preset, a Hugging Face ``config.json``, or its dimensions), its parameters counted exactly.
+* :mod:`labkit.memory.finetune`: full, LoRA and QLoRA fine-tuning's bytes per device by kind.
+* :mod:`labkit.memory.zero_crosscheck`: the ZeRO formula against DeepSpeed's own estimators.
 * :mod:`labkit.memory.probe`: what a live model, optimizer and forward pass really hold.
 * :mod:`labkit.memory.deepspeed_states`: DeepSpeed's ZeRO model states, to the byte.
 * :mod:`labkit.memory.recompute`: what activation checkpointing saves and costs, measured.
@@ -25,7 +29,9 @@ from labkit.memory.calculator import (
                                       model_state_breakdown,
                                       zero_model_state_bytes,
 )
+from labkit.memory.finetune import FINETUNE, FinetuneEstimate, estimate_finetune, lora_params
+from labkit.memory.zero_crosscheck import cross_check_zero
 
-__all__ = ["BYTES_PER_PARAM", "GB", "MODELS", "RECOMPUTE", "STAGES", "MemoryEstimate", "ModelShape", "ModelStates",
+__all__ = ["FINETUNE", "FinetuneEstimate", "estimate_finetune", "lora_params", "cross_check_zero", "BYTES_PER_PARAM", "GB", "MODELS", "RECOMPUTE", "STAGES", "MemoryEstimate", "ModelShape", "ModelStates",
            "activation_bytes_per_layer", "autocast_extra_bytes_per_layer", "estimate_memory", "model_shape",
            "model_state_breakdown", "zero_model_state_bytes"]

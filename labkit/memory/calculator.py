@@ -16,10 +16,13 @@ Measurement lives in :mod:`labkit.memory.probe`; ``python -m labkit.memory`` pri
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 
 from labkit.core.checks import one_of, positive_int
+from labkit.memory.architecture import MODELS, ModelShape
+from labkit.memory.hf_config import shape_from_hf_config
 
 GB = 10**9  # the ZeRO paper's GB; GiB is 2**30
 RECOMPUTE = ("none", "selective", "full")
@@ -131,58 +134,21 @@ def autocast_extra_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int) 
     return 4 * s * b * h + 24 * h * h + 16 * s * b
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """What the calculator needs to know about a GPT-style model."""
-
-    n_params: int
-    n_layer: int
-    hidden: int
-    heads: int
-    vocab: int
-    seq_len: int
-    note: str = ""
-
-    @classmethod
-    def from_n_params(cls, n_params: float, seq_len: int = 2048, vocab: int = 50257) -> "ModelShape":
-        """A GPT-3-proportioned shape for a bare parameter count: hidden = 128 x layers and
-        128-wide heads, as GPT-3's 6.7B, 13B and 175B models are (Brown et al. 2020, Table 2.1)."""
-        n = _count("n_params", n_params)
-        layers = max(1, round((n / (12 * 128**2)) ** (1 / 3)))
-        return cls(n, layers, 128 * layers, layers, vocab, seq_len, "derived from the parameter count")
-
-    @classmethod
-    def from_gpt_config(cls, cfg) -> "ModelShape":
-        from labkit.core.model import GPT
-
-        n = GPT.count_params(cfg)
-        return cls(n, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.block_size)
-
-
-# Published shapes. GPT-2/GPT-3 use the 4h MLP the activation formula assumes; LLaMA's SwiGLU MLP
-# (Touvron et al. 2023) keeps a little more, so its activations here are an approximation.
-MODELS = {
-    "gpt2-124m": ModelShape(124_439_808, 12, 768, 12, 50257, 1024, "Radford et al. 2019"),
-    "gpt3-1.3b": ModelShape(1_300_000_000, 24, 2048, 16, 50257, 2048, "Brown et al. 2020, Table 2.1"),
-    "llama2-7b": ModelShape(6_738_415_616, 32, 4096, 32, 32000, 4096, "Touvron et al. 2023"),
-    "10b": ModelShape(10_000_000_000, 40, 4608, 36, 50257, 2048, "a round 10B GPT-style model"),
-    "llama2-13b": ModelShape(13_015_864_320, 40, 5120, 40, 32000, 4096, "Touvron et al. 2023"),
-    "llama2-70b": ModelShape(68_976_648_192, 80, 8192, 64, 32000, 4096, "Touvron et al. 2023"),
-    "gpt3-175b": ModelShape(175_000_000_000, 96, 12288, 96, 50257, 2048, "Brown et al. 2020"),
-}
-
-
 def model_shape(model) -> ModelShape:
-    """A ``ModelShape`` from a name in ``MODELS``, a ``GPTConfig``, a parameter count or a shape."""
+    """A ``ModelShape`` from a name in ``MODELS``, a Hugging Face ``config.json`` path (or a folder
+    holding one), a ``GPTConfig``, a parameter count or a shape."""
     if isinstance(model, ModelShape):
         return model
     if hasattr(model, "n_embd") and hasattr(model, "n_layer"):
         return ModelShape.from_gpt_config(model)
     if isinstance(model, (int, float)) and not isinstance(model, bool):
         return ModelShape.from_n_params(model)
+    if isinstance(model, (str, os.PathLike)) and model not in MODELS and (
+            str(model).endswith(".json") or os.path.isdir(model)):
+        return shape_from_hf_config(model)
     if model not in MODELS:
         raise ValueError(f"model={model!r} is unknown; valid models: {sorted(MODELS)}, "
-                         "a GPTConfig, a ModelShape or a parameter count")
+                         "a GPTConfig, a ModelShape or a parameter count, or a Hugging Face config.json path")
     return MODELS[model]
 
 
@@ -263,7 +229,7 @@ def estimate_memory(model, micro_batch: int = 1, world_size: int = 1, stage: int
     if pp > 1:  # the per-device peak: the first stage's in-flight layers, or the last stage's head
         last = math.ceil(layers / pp) + head
         layers, head = (layers, 0) if layers >= last else (last - head, head)
-    name = model if isinstance(model, str) else "custom"
+    name = str(model) if isinstance(model, (str, os.PathLike)) else "custom"
     optimizer, host = states.optimizer, 0
     if offload_optimizer:  # ZeRO-Offload (Ren et al. 2021): Adam states and step on the CPU
         optimizer, host = 0, states.optimizer

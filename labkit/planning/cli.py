@@ -2,35 +2,70 @@
 
     python -m labkit.memory --model llama2-70b --devices 8 --device-type a100-80gb
     python -m labkit.memory --model 10b --devices 256 --tokens 1e12 --device-type h100-80gb --spot
+    python -m labkit.memory --model llama2-70b --finetune qlora --lora-rank 16 --devices 1 --device-type h200
+    python -m labkit.memory --model path/to/config.json --device-gb 48 --finetune lora --json
+    python -m labkit.memory --hidden 4096 --layers 32 --heads 32 --kv-heads 8 --intermediate 14336 --devices 8
 """
 from __future__ import annotations
 
 import argparse
+import json
 
 from labkit.core.checks import fraction, positive_int, positive_number
 from labkit.core.cli import ArgumentParser
-from labkit.memory.calculator import (
-    BYTES_PER_PARAM,
-    GB,
-    MODELS,
-    RECOMPUTE,
-    estimate_memory,
-    model_shape,
-)
+from labkit.memory.architecture import FAMILIES, ModelShape
+from labkit.memory.calculator import GB, MODELS, RECOMPUTE, estimate_memory, model_shape
+from labkit.memory.finetune import FINETUNE, TRAINED_BYTES, estimate_finetune
 from labkit.planning.accelerators import ACCELERATORS
 from labkit.planning.choose import choose_strategy
 from labkit.planning.cost import DEFAULT_PREEMPTIONS_PER_DAY, price_run
+from labkit.planning.memory_report import choose_finetune, report
+
+SHAPE_FLAGS = ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "experts", "experts_per_token")
+LORA_FLAGS = ("lora_rank", "lora_targets", "lora_dropout")
+
+
+def _shape_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model shape", "instead of --model: any transformer by its dimensions "
+                             "(--hidden, --layers and --heads at least)")
+    g.add_argument("--family", choices=FAMILIES, default=None, help="llama (SwiGLU MLP, RMSNorm, untied; the "
+                   "default, also Mistral/Mixtral), qwen2 (llama + Q/K/V biases) or gpt (GPT-2: GELU 4h MLP, biases)")
+    for flag, what in (("hidden", "hidden size"), ("layers", "transformer layers"), ("heads", "attention heads"),
+                       ("kv-heads", "key/value heads (grouped-query attention; default: --heads)"),
+                       ("intermediate", "MLP width (default: 4 x hidden for gpt, LLaMA's 8h/3 rounded up to 256 "
+                                        "otherwise)"),
+                       ("vocab", "vocabulary size (default 32000)"), ("experts", "MLP experts per layer (MoE; default 1)"),
+                       ("experts-per-token", "experts each token runs through (default 2 with --experts)")):
+        g.add_argument(f"--{flag}", type=int, default=None, help=what)
+    g.add_argument("--tied-embeddings", action="store_true", help="output layer shares the token embedding "
+                   "(the gpt family always does)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m labkit.memory", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="llama2-7b", choices=sorted(MODELS))
+    p.add_argument("--model", default=None, help=f"a preset ({', '.join(sorted(MODELS))}; default llama2-7b) or a "
+                   "Hugging Face config.json, or the folder holding it (llama, mistral, mixtral, qwen2, gpt2)")
+    _shape_flags(p)
     p.add_argument("--devices", type=int, default=8, help="number of accelerators")
-    p.add_argument("--device-type", default="a100-80gb", choices=sorted(ACCELERATORS))
+    p.add_argument("--device-type", default=None, choices=sorted(ACCELERATORS), help="default a100-80gb")
+    p.add_argument("--device-gb", type=float, default=None, help="device memory in GB (10^9 bytes), for any "
+                   "device; overrides --device-type's (whose peak and prices --tokens still uses)")
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=None, help="default: the model's context length")
-    p.add_argument("--precision", default="mixed", choices=list(BYTES_PER_PARAM))
+    p.add_argument("--precision", default=None, choices=list(TRAINED_BYTES), help="bytes/param of the trained "
+                   "weights, gradients, Adam states: mixed (2, 2, 12; the default) ... bf16_adam32 (2, 2, 8: "
+                   "QLoRA's bf16 adapters with fp32 moments, the default for --finetune qlora)")
     p.add_argument("--recompute", default="none", choices=list(RECOMPUTE))
+    f = p.add_argument_group("fine-tuning", "LoRA (Hu et al. 2021) and QLoRA (Dettmers et al. 2023): see "
+                             "labkit.memory.finetune for the bytes of each kind")
+    f.add_argument("--finetune", default=None, choices=FINETUNE, help="full (every weight trained), lora (bf16 "
+                   "frozen base + adapters) or qlora (NF4 frozen base with double quantisation + adapters)")
+    f.add_argument("--lora-rank", type=int, default=None, help="LoRA's r (default 16)")
+    f.add_argument("--lora-targets", default=None, help="projections to adapt, comma-separated: q,k,v,o,gate,up,"
+                   "down (gpt: qkv,o,up,down), or all (the default), attention, mlp")
+    f.add_argument("--lora-dropout", action="store_true", help="count the inputs LoRA dropout keeps for backward")
+    p.add_argument("--json", action="store_true", help="print the same result as one JSON object: fits, bytes per "
+                   "device by kind, the recommendation")
     p.add_argument("--tokens", type=float, default=None, help="training tokens, to price the run")
     p.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation you expect: of the model's "
                    "6ND, recomputation not counted (default 0.4)")
@@ -46,8 +81,11 @@ def _check(a) -> None:
     """The flags' own checks, naming the flag (the calculator's messages name its parameters)."""
     positive_int("--devices", a.devices)
     positive_int("--micro-batch", a.micro_batch)
-    if a.seq_len is not None:
-        positive_int("--seq-len", a.seq_len)
+    for flag in ("seq_len", "lora_rank", *SHAPE_FLAGS):
+        if getattr(a, flag) is not None:
+            positive_int("--" + flag.replace("_", "-"), getattr(a, flag))
+    if a.device_gb is not None:
+        positive_number("--device-gb", a.device_gb)
     for flag in ("mfu", "hfu"):
         if getattr(a, flag) is not None:
             fraction(f"--{flag}", getattr(a, flag), low_open=True)
@@ -56,20 +94,77 @@ def _check(a) -> None:
     if a.tokens is not None:
         positive_number("--tokens", a.tokens)
     positive_number("--preemptions-per-day", a.preemptions_per_day)
+    given = [f for f in LORA_FLAGS if getattr(a, f) not in (None, False)]
+    if given and a.finetune is None:
+        raise ValueError(f"--{given[0].replace('_', '-')} applies to --finetune lora or qlora")
+
+
+def _shape(a) -> ModelShape:
+    flags = [f for f in (*SHAPE_FLAGS, "family") if getattr(a, f) is not None] + (["tied_embeddings"]
+                                                                               if a.tied_embeddings else [])
+    if not flags:
+        return model_shape(a.model or "llama2-7b")
+    if a.model is not None:
+        raise ValueError(f"--model and --{flags[0].replace('_', '-')}: give a model or its shape, not both")
+    missing = [f"--{f}" for f in ("hidden", "layers", "heads") if getattr(a, f) is None]
+    if missing:
+        raise ValueError(f"a model shape needs --hidden, --layers and --heads; missing: {', '.join(missing)}")
+    experts = a.experts or 1
+    return ModelShape.from_dims(a.family or "llama", a.hidden, a.layers, a.heads, a.vocab or 32000,
+                                a.seq_len or 4096, a.kv_heads, a.intermediate, experts,
+                                a.experts_per_token or min(2, experts), tied=a.tied_embeddings or None,
+                                note="from the shape flags")
 
 
 def _plan(a) -> dict:
     """Everything the command prints, computed first: a bad argument stops it before any output."""
     _check(a)
-    shape, dev = model_shape(a.model), ACCELERATORS[a.device_type]
-    stages = [estimate_memory(shape, a.micro_batch, a.devices, stage, a.precision, a.recompute,
-                              device_memory_gb=dev.memory_gb, seq_len=a.seq_len) for stage in range(4)]
-    rec = choose_strategy(shape, a.devices, dev.memory_gb, a.micro_batch, a.seq_len, a.precision)
+    shape = _shape(a)
+    dev_type = a.device_type or "a100-80gb"
+    dev = ACCELERATORS[dev_type]
+    memory_gb = a.device_gb or dev.memory_gb
+    name = dev.name if a.device_gb is None else (f"{dev.name} at {memory_gb:g} GB" if a.device_type else
+                                                 "custom device")
+    if a.finetune:
+        lora = {"rank": a.lora_rank or 16, "targets": a.lora_targets or "all", "lora_dropout": a.lora_dropout}
+        common = dict(micro_batch=a.micro_batch, seq_len=a.seq_len, precision=a.precision, **lora)
+        stages = [estimate_finetune(shape, a.finetune, world_size=a.devices, stage=s, recompute=a.recompute,
+                                    device_memory_gb=memory_gb, **common) for s in range(4)]
+        if a.finetune == "full":  # what pretraining holds: its candidates (TP, PP, offload) apply
+            rec = choose_strategy(shape, a.devices, memory_gb, a.micro_batch, a.seq_len, a.precision or "mixed")
+        else:
+            rec = choose_finetune(shape, a.finetune, a.devices, memory_gb, a.recompute, **common)
+    else:
+        precision = a.precision or "mixed"
+        stages = [estimate_memory(shape, a.micro_batch, a.devices, s, precision, a.recompute,
+                                  device_memory_gb=memory_gb, seq_len=a.seq_len) for s in range(4)]
+        rec = choose_strategy(shape, a.devices, memory_gb, a.micro_batch, a.seq_len, precision)
     price = None
     if a.tokens:
-        price = price_run(shape.n_params, a.tokens, a.devices, a.device_type, a.mfu, a.recompute,
+        price = price_run(shape.n_params, a.tokens, a.devices, dev_type, a.mfu, a.recompute,
                           preemptions_per_instance_per_day=a.preemptions_per_day, hfu=a.hfu)
-    return {"shape": shape, "device": dev, "stages": stages, "recommendation": rec, "price": price}
+    model_name = a.model or ("custom shape" if shape.note == "from the shape flags" else "llama2-7b")
+    return {"name": model_name, "shape": shape, "device": dev, "device_type": dev_type, "device_name": name,
+            "memory_gb": memory_gb, "stages": stages, "recommendation": rec, "price": price, "finetune": a.finetune}
+
+
+def _print_finetune(a, r) -> None:
+    first, rec = r["stages"][0], r["recommendation"]
+    if a.finetune == "full":
+        print(f"full fine-tuning: every weight trained ({first.precision}: {'+'.join(map(str, TRAINED_BYTES[first.precision]))} "
+              "bytes/param of weights, gradients, Adam states)" + (" (--lora-* ignored)" if a.lora_rank or a.lora_targets else ""))
+    else:
+        base = "bf16 (2 bytes/param)" if a.finetune == "lora" else "NF4 + double quantisation (4.127 bits/param)"
+        print(f"{a.finetune}: rank {first.rank} on {','.join(first.targets)}: {first.trainable_params / 1e6:,.1f} M trained "
+              f"parameters ({first.trainable_params / r['shape'].n_params:.2%}); frozen base {base}; adapters "
+              f"{first.precision} ({'+'.join(map(str, TRAINED_BYTES[first.precision]))} bytes/param)")
+    print(f"{'stage':>6} {'frozen':>9} {'trained':>9} {'grads':>9} {'optim':>9} {'activ':>9} {'total GB':>9}  fits")
+    for stage, e in enumerate(r["stages"]):
+        cells = [*e.bytes_by_kind().values(), e.total]
+        print(f"{stage:>6} " + " ".join(f"{c / GB:9.1f}" for c in cells) + f"  {'yes' if e.fits else 'no'}")
+    print(f"\nrecommended: {rec.strategy or 'nothing fits'}\n  {rec.reason}")
+    if a.finetune == "full":
+        print(f"rule of thumb says {rec.rule_of_thumb}" + ("" if rec.rule_fits else " (which does not fit here)"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,20 +174,30 @@ def main(argv: list[str] | None = None) -> int:
         r = _plan(a)
     except ValueError as e:
         parser.error(str(e))
-    shape, dev, rec, c = r["shape"], r["device"], r["recommendation"], r["price"]
-    print(f"{a.model}: {shape.n_params / 1e9:.2f} B parameters, {shape.n_layer} layers, hidden {shape.hidden}; "
-          f"{a.devices} x {dev.name} ({dev.memory_gb:g} GB)")
-    print(f"{'stage':>6} {'params':>9} {'grads':>9} {'optim':>9} {'activ':>9} {'total GB':>9}  fits")
-    for stage, e in enumerate(r["stages"]):
-        cells = [e.params, e.grads, e.optimizer, e.activations + e.head, e.total]
-        print(f"{stage:>6} " + " ".join(f"{c / GB:9.1f}" for c in cells) + f"  {'yes' if e.fits else 'no'}")
-    print(f"\nrecommended: {rec.strategy or 'nothing fits'}\n  {rec.reason}")
-    print(f"rule of thumb says {rec.rule_of_thumb}" + ("" if rec.rule_fits else " (which does not fit here)"))
+    if a.json:
+        print(json.dumps(report(r, a), indent=2))
+        return 0
+    shape, rec, c = r["shape"], r["recommendation"], r["price"]
+    active = f" ({shape.active_params / 1e9:.2f} B active)" if shape.experts > 1 else ""
+    print(f"{r['name']}: {shape.n_params / 1e9:.2f} B parameters{active}, {shape.n_layer} layers, hidden "
+          f"{shape.hidden}; {a.devices} x {r['device_name']} ({r['memory_gb']:g} GB)")
+    if a.finetune:
+        _print_finetune(a, r)
+    else:
+        print(f"{'stage':>6} {'params':>9} {'grads':>9} {'optim':>9} {'activ':>9} {'total GB':>9}  fits")
+        for stage, e in enumerate(r["stages"]):
+            cells = [e.params, e.grads, e.optimizer, e.activations + e.head, e.total]
+            print(f"{stage:>6} " + " ".join(f"{c / GB:9.1f}" for c in cells) + f"  {'yes' if e.fits else 'no'}")
+        print(f"\nrecommended: {rec.strategy or 'nothing fits'}\n  {rec.reason}")
+        print(f"rule of thumb says {rec.rule_of_thumb}" + ("" if rec.rule_fits else " (which does not fit here)"))
     if c is not None:
+        dev = r["device"]
         print(f"\n{c.model_flops:.3g} model FLOPs ({c.flops:.3g} run, with recomputation) at {c.mfu:.0%} MFU "
               f"({c.hfu:.0%} HFU): {c.hours:,.0f} h on {a.devices} devices ({c.gpu_hours:,.0f} GPU-hours)")
         print(f"  on demand ${c.cost_on_demand:,.0f} at ${dev.price_on_demand}/GPU-h (assumed)")
         print(f"  spot ${c.cost_spot:,.0f} at ${dev.price_spot}/GPU-h (assumed): a preemption every "
               f"{c.mtbf_hours:.1f} h, checkpoints every {c.checkpoint_interval_hours * 60:.0f} min, "
               f"{c.spot_hours:,.0f} h expected")
+        if a.finetune in ("lora", "qlora"):
+            print("  (6ND: an upper bound here; LoRA's backward skips the frozen weights' gradients, about 4ND)")
     return 0

@@ -59,6 +59,8 @@ class TrainConfig:
                  "other world/tp ranks are FSDP2 data parallel")
     sequence_parallel: bool = _f(False, "strategy", "tp: LayerNorms and dropout on s/tp tokens per rank "
                                  "(all-gather + reduce-scatter instead of all-reduce)")
+    cp: int = _f(0, "strategy", "cp: context-parallel degree, ranks sharing each sequence (0: every rank); the "
+                 "other world/cp ranks are data parallel")
     pp: int = _f(0, "strategy", "pp, pp_scratch: pipeline stages, one per rank (0: every rank)")
     microbatches: int = _f(4, "strategy", "pp, pp_scratch: microbatches the global batch is cut into")
     pp_schedule: str = _f("1f1b", "strategy", "pp, pp_scratch: pipeline schedule (--schedule is the old name)",
@@ -122,7 +124,7 @@ class TrainConfig:
 
         for name in ("steps", "batch_size", "grad_accum", "keep_last", "microbatches", "replicas"):
             positive_int(name, getattr(self, name))
-        for name in ("warmup_steps", "save_every", "tp", "pp", "seed"):
+        for name in ("warmup_steps", "save_every", "tp", "pp", "cp", "seed"):
             non_negative_int(name, getattr(self, name))
         positive_number("lr", self.lr)
         positive_number("bucket_cap_mb", self.bucket_cap_mb)

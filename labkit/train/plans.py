@@ -136,13 +136,17 @@ class Plan:
         micro = x.shape[0] // self.cfg.grad_accum
         return list(zip(x.split(micro), y.split(micro)))
 
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's mean loss (the logits dropped: only autograd needs what it saved)."""
+        return self.model(x, y)[1]
+
     def forward_backward(self, micros: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Forward and backward of every micro-batch; the mean loss of this rank's rows."""
         loss = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micros):
             with self.no_sync(i == len(micros) - 1 or self.cfg.sync_each_microbatch):
                 with self.autocast():
-                    micro_loss = self.model(x, y)[1]  # drop the logits: only autograd needs what it saved
+                    micro_loss = self.forward(x, y)
                 micro_loss = micro_loss / len(micros)  # the step's loss is the mean over micro-batches
                 (self.scaler.scale(micro_loss) if self.scaler else micro_loss).backward()
             loss += micro_loss.detach()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from labkit.core.checks import one_of
+from labkit.train.cp_plan import ContextParallelPlan
 from labkit.train.deepspeed_plan import DeepSpeedPlan
 from labkit.train.hsdp_plan import HSDPPlan
 from labkit.train.model_parallel_plans import PipelinePlan, TensorParallelPlan
@@ -89,6 +90,10 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("tp_scratch", "tensor parallel by hand: column/row-parallel layers with Megatron's f and g",
              "every weight matrix of a block", 0, None, TensorParallelPlan, options=("tp",), teaching=True,
              cannot_checkpoint="its shards are plain tensors, which DCP would take for replicas; use 'tp'"),
+    Strategy("cp", "context parallel: each sequence split over cp ranks (zig-zag), ring attention between them; "
+             "the world/cp groups data parallel", "the sequence (activations); parameters replicated", 0, None,
+             ContextParallelPlan, options=("cp", "bucket_cap_mb"), precisions=("fp32",), grad_accum=True,
+             needs_group=True),
     Strategy("pp", "pipeline parallel with torch.distributed.pipelining: GPipe, 1F1B or interleaved 1F1B",
              "the layers (one stage per rank)", 0, None, PipelinePlan,
              options=("pp", "microbatches", "pp_schedule"), grad_accum=False, needs_group=True, reshardable=False),
