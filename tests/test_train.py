@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from labkit.fault_tolerance.injection import torchrun_command
 from labkit.launch import RankError, launch
 from labkit.train import TrainConfig, main, train
 
@@ -149,10 +150,30 @@ EXIT_TRIALS = int(os.environ.get("LABKIT_EXIT_TRIALS", "1"))
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 def test_deepspeed_runs_exit_0_every_time_under_torchrun(strategy):
-    from labkit.fault_tolerance.injection import torchrun_command
+
 
     cmd = torchrun_command(["--strategy", strategy, "--steps", "1", "--block-size", "8", "--n-embd", "16"],
                            max_restarts=0)
     for trial in range(EXIT_TRIALS):
         proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=180)
         assert proc.returncode == 0 and "terminate called" not in proc.stderr, (trial, proc.stderr[-2000:])
+
+
+@pytest.mark.parametrize("strategy, extra, moe", [
+    ("cp", ["--cp", "2"], {}),
+    ("ep", ["--ep", "2", "--moe-experts", "4", "--moe-top-k", "2", "--moe-capacity-factor", "4"],
+     dict(moe_experts=4, moe_top_k=2, moe_capacity_factor=4.0))])
+def test_torchrun_runs_context_and_expert_parallel(tmp_path, strategy, extra, moe):
+    """The issue's commands: `torchrun --nproc-per-node 2 -m labkit.train --strategy cp --cp 2` and
+    `--strategy ep --ep 2 --moe-experts 4 --moe-top-k 2`, each equal to one process within 1e-5."""
+    from labkit.core.model import GPTConfig
+
+    out = tmp_path / f"{strategy}.json"
+    cmd = torchrun_command(["--strategy", strategy, *extra, "--steps", "3", "--seed", "3", "--block-size", "16",
+                            "--lr", "1e-3", "--metrics", str(out)], max_restarts=0)
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads(out.read_text())
+    assert m["world_size"] == 2 and m[strategy] == 2
+    ref = train(TrainConfig(steps=3, seed=3, lr=1e-3), GPTConfig(block_size=16, **moe))
+    assert max(abs(a - b) for a, b in zip(ref["loss"], m["loss"])) < 1e-5

@@ -4,6 +4,8 @@ Decoder-only transformer as in Radford et al. 2019 (GPT-2): token + learned posi
 pre-norm blocks of causal self-attention and an MLP, a final LayerNorm and a head tied to the token
 embedding (Press & Wolf 2017). Plain PyTorch on purpose: this module imports nothing distributed.
 Strategies wrap it from outside, which is why the blocks live in an ``nn.ModuleList``.
+With ``moe_experts > 0`` every block's MLP is a mixture of experts (:mod:`labkit.core.moe`) and the
+loss adds ``moe_aux_weight`` times each block's load-balancing loss.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labkit.core.checks import positive_int
+from labkit.core.checks import non_negative_int, non_negative_number, positive_int
+from labkit.core.moe import MoEMLP, RoutingStats
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,10 @@ class GPTConfig:
     n_embd: int = 64
     dropout: float = 0.0  # 0 keeps parallel runs comparable step by step
     bias: bool = True
+    moe_experts: int = 0  # experts per MoE MLP; 0: the dense MLP
+    moe_top_k: int = 2  # experts each token is sent to
+    moe_capacity_factor: float = 1.25  # expert capacity = ceil(factor x top_k x tokens / experts); 0: no limit
+    moe_aux_weight: float = 0.01  # weight of the load-balancing loss, per MoE block (Switch: 1e-2)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -40,6 +47,12 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        non_negative_int("GPTConfig.moe_experts", self.moe_experts)
+        positive_int("GPTConfig.moe_top_k", self.moe_top_k)
+        non_negative_number("GPTConfig.moe_capacity_factor", self.moe_capacity_factor)
+        non_negative_number("GPTConfig.moe_aux_weight", self.moe_aux_weight)
+        if self.moe_experts and self.moe_top_k > self.moe_experts:
+            raise ValueError(f"GPTConfig.moe_top_k={self.moe_top_k} must be at most moe_experts={self.moe_experts}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,7 +105,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.mlp = MoEMLP.from_config(cfg) if cfg.moe_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), attn_mask)
@@ -110,6 +123,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.wte.weight  # weight tying: one tensor, two uses
+        self.aux_loss: torch.Tensor | None = None  # the last forward's weighted MoE loss (detached)
         self.apply(self._init_weights)
         # GPT-2's scaled init of residual projections keeps the residual stream's variance flat.
         for name, p in self.named_parameters():
@@ -132,7 +146,10 @@ class GPT(nn.Module):
         """The same count from the config alone, without building the model."""
         C, b = cfg.n_embd, int(cfg.bias)
         ln = C * (1 + b)
-        block = 2 * ln + (3 * C * C + 3 * C * b) + (C * C + C * b) + (4 * C * C + 4 * C * b) + (4 * C * C + C * b)
+        mlp = (4 * C * C + 4 * C * b) + (4 * C * C + C * b)
+        if cfg.moe_experts:  # E experts of the MLP's shape and a router (no bias)
+            mlp = cfg.moe_experts * mlp + C * cfg.moe_experts
+        block = 2 * ln + (3 * C * C + 3 * C * b) + (C * C + C * b) + mlp
         return cfg.vocab_size * C + cfg.block_size * C + cfg.n_layer * block + ln
 
     def forward(
@@ -166,7 +183,15 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+            if self.config.moe_experts:
+                aux = self.config.moe_aux_weight * sum(b.mlp.aux_loss for b in self.blocks)
+                self.aux_loss = aux.detach()
+                loss = loss + aux
         return logits, loss
+
+    def moe_stats(self) -> list[RoutingStats]:
+        """Each MoE block's routing in the last forward (empty for a dense model)."""
+        return [b.mlp.stats for b in self.blocks if isinstance(b.mlp, MoEMLP)]
 
 
 def build_model(cfg: GPTConfig | None = None, seed: int = 0) -> GPT:

@@ -9,6 +9,12 @@
   :mod:`labkit.parallel.pipeline_timeline`, the bubble and activations in flight.
 * :mod:`labkit.parallel.clipping`: gradient clipping over parameters split across ranks.
 * :mod:`labkit.parallel.activation_checkpointing`: recomputation policies.
+* :mod:`labkit.parallel.context_parallel` (ring attention), :mod:`labkit.parallel.ulysses` (all-to-all
+  sequence parallelism), :mod:`labkit.parallel.cp_layout` (the zig-zag split):
+  :mod:`labkit.parallel.context_parallel_torch` holds them against PyTorch's API on GPUs.
+* :mod:`labkit.parallel.expert_parallel`: a mixture of experts' experts over ranks, all-to-all.
+* :mod:`labkit.parallel.lora` and :mod:`labkit.parallel.qlora`: low-rank adapters, from scratch and
+  with ``peft``, on a frozen base in 16 bits or 4-bit NF4.
 
 How each becomes a strategy of the training loop is :mod:`labkit.train.strategies`.
 """

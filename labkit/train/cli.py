@@ -31,6 +31,10 @@ MODEL_HELP = {
     "n_embd": "hidden size (width of the residual stream)",
     "dropout": "dropout probability in [0, 1)",
     "bias": "biases in the linear layers and LayerNorms",
+    "moe_experts": "experts per mixture-of-experts MLP (0: the dense MLP)",
+    "moe_top_k": "experts each token is routed to",
+    "moe_capacity_factor": "expert capacity = ceil(factor x top_k x tokens / experts) token-choices; 0: no limit",
+    "moe_aux_weight": "weight of each MoE block's load-balancing loss (Switch Transformer: 0.01)",
 }
 CLI_ONLY = ("return_params",)  # fields a notebook sets and a command line has no use for
 

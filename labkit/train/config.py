@@ -61,6 +61,8 @@ class TrainConfig:
                                  "(all-gather + reduce-scatter instead of all-reduce)")
     cp: int = _f(0, "strategy", "cp: context-parallel degree, ranks sharing each sequence (0: every rank); the "
                  "other world/cp ranks are data parallel")
+    ep: int = _f(0, "strategy", "ep: expert-parallel degree, ranks sharing one copy of the experts (0: every "
+                 "rank); the other world/ep ranks are data parallel")
     pp: int = _f(0, "strategy", "pp, pp_scratch: pipeline stages, one per rank (0: every rank)")
     microbatches: int = _f(4, "strategy", "pp, pp_scratch: microbatches the global batch is cut into")
     pp_schedule: str = _f("1f1b", "strategy", "pp, pp_scratch: pipeline schedule (--schedule is the old name)",
@@ -124,7 +126,7 @@ class TrainConfig:
 
         for name in ("steps", "batch_size", "grad_accum", "keep_last", "microbatches", "replicas"):
             positive_int(name, getattr(self, name))
-        for name in ("warmup_steps", "save_every", "tp", "pp", "cp", "seed"):
+        for name in ("warmup_steps", "save_every", "tp", "pp", "cp", "ep", "seed"):
             non_negative_int(name, getattr(self, name))
         positive_number("lr", self.lr)
         positive_number("bucket_cap_mb", self.bucket_cap_mb)

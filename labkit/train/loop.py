@@ -38,7 +38,7 @@ from labkit.train.config import TrainConfig
 from labkit.train.lr_schedule import lr_scheduler
 from labkit.train.plans import Plan
 from labkit.train.resumable import Resumable
-from labkit.train.strategies import strategy
+from labkit.train.strategies import STRATEGIES, strategy
 
 
 def make_plan(cfg: TrainConfig, model_cfg: GPTConfig) -> Plan:
@@ -50,6 +50,10 @@ def make_plan(cfg: TrainConfig, model_cfg: GPTConfig) -> Plan:
     if spec.needs_group and not dist.is_initialized():
         raise ValueError(f"strategy={spec.name!r} needs a process group: run it under labkit.launch.launch or "
                          "torchrun (python -m labkit.train starts a one-rank group by itself)")
+    if model_cfg.moe_experts and not spec.moe:
+        raise ValueError(f"moe_experts={model_cfg.moe_experts} (a mixture-of-experts model) is not supported with "
+                         f"strategy={spec.name!r}: its routing would be decided per rank, not over the global batch; "
+                         f"use strategy {' / '.join(repr(s.name) for s in STRATEGIES.values() if s.moe)}")
     plan = spec.plan(cfg, spec, model_cfg, current_device(cfg.device), rank, world)
     plan.check_run()
     return plan

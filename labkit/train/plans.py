@@ -213,10 +213,6 @@ class Plan:
         return {}
 
 
-class SinglePlan(Plan):
-    pass
-
-
 class DDPPlan(Plan):
     def wrap(self, model: GPT) -> nn.Module:
         from labkit.parallel.data_parallel import wrap_ddp

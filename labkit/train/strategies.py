@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from labkit.core.checks import one_of
 from labkit.train.cp_plan import ContextParallelPlan
 from labkit.train.deepspeed_plan import DeepSpeedPlan
+from labkit.train.ep_plan import ExpertParallelPlan, MoEPlan
 from labkit.train.hsdp_plan import HSDPPlan
 from labkit.train.model_parallel_plans import PipelinePlan, TensorParallelPlan
 from labkit.train.plans import (
@@ -22,7 +23,6 @@ from labkit.train.plans import (
     FSDPPlan,
     NaivePlan,
     Plan,
-    SinglePlan,
     ZeroScratchPlan,
 )
 
@@ -51,13 +51,14 @@ class Strategy:
     needs_group: bool = False  # collectives even on one rank: runs in a process group (a one-rank one is fine)
     # Its checkpoints load into other strategies and world sizes (False: only as they were saved)
     reshardable: bool = True
+    moe: bool = False  # trains a mixture-of-experts model (moe_experts > 0) as one process would
 
 
 _SYNC = "sync_each_microbatch"
 _DS = "the same run on DeepSpeed (deepspeed.initialize with the client AdamW)"
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("single", "one process, no wrapper: the reference every parallel run is held against",
-             "nothing", 0, 0.0, SinglePlan),
+             "nothing", 0, 0.0, MoEPlan, moe=True),
     Strategy("ddp", "torch DistributedDataParallel: bucketed all-reduce of gradients under backward",
              "nothing (the batch)", 0, 2.0, DDPPlan, options=("bucket_cap_mb", _SYNC, "link_gbps")),
     Strategy("dp_naive", "data parallel by hand: one all-reduce per gradient after backward",
@@ -94,6 +95,11 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              "the world/cp groups data parallel", "the sequence (activations); parameters replicated", 0, None,
              ContextParallelPlan, options=("cp", "bucket_cap_mb"), precisions=("fp32",), grad_accum=True,
              needs_group=True),
+    Strategy("ep", "expert parallel: a mixture-of-experts model's experts split over ep ranks, tokens sent to "
+             "them by all-to-all; the world/ep groups data parallel", "the experts of every MoE block", 0, None,
+             ExpertParallelPlan, options=("ep",), precisions=("fp32",), needs_group=True, moe=True,
+             cannot_checkpoint="its experts live on different ranks as plain tensors, which DCP would take for "
+                               "replicas; train with strategy 'single' to checkpoint an MoE model"),
     Strategy("pp", "pipeline parallel with torch.distributed.pipelining: GPipe, 1F1B or interleaved 1F1B",
              "the layers (one stage per rank)", 0, None, PipelinePlan,
              options=("pp", "microbatches", "pp_schedule"), grad_accum=False, needs_group=True, reshardable=False),

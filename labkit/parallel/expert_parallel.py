@@ -1,0 +1,246 @@
+"""Expert parallelism: the experts of every MoE block split over ranks, tokens sent to them and their
+outputs brought back with all-to-all (GShard, Lepikhin et al. 2020, section 3; Switch Transformer,
+Fedus et al. 2021, section 2.2), the rest of the model data parallel.
+
+Layout. ``world = dp x ep`` ranks; consecutive ranks ``[g*ep, (g+1)*ep)`` form expert-parallel group
+g, which holds one copy of all E experts, ``E/ep`` per rank (rank i of a group holds experts
+``[i*E/ep, (i+1)*E/ep)``). Ranks at the same place in every group hold the same experts: a *replica*
+group of ``dp`` ranks. Every rank reads its own rows of the global batch (shard = global rank), as
+plain data parallelism does.
+
+One MoE block, forward: route locally; all-reduce the routing table over *all* ranks (capacity and
+drop order are those of the global batch, :mod:`labkit.core.moe`); exchange the split sizes (an
+all-to-all of E counts); all-to-all the kept rows to the ranks of their experts (dispatch); run the
+local experts; all-to-all the outputs back (combine). Backward: the two all-to-alls run in reverse
+(:class:`AllToAll`, whose backward is the all-to-all with the split sizes swapped).
+
+Gradients (:meth:`ExpertParallel.finish_gradient_sync`). Each rank's loss is the mean over its own
+tokens; one process's loss is their mean over the ``world`` ranks, so every gradient must become
+``(sum of all ranks' contributions) / world``. A non-expert parameter's gradient on a rank holds
+that rank's contribution: all-reduce (sum) over all ranks, divide by ``world``. An expert's gradient
+already sums the contributions of every rank of its EP group (their tokens' gradients came back to it
+through the all-to-all): all-reduce over its replica group (none when ``dp = 1``), divide by
+``world``. The auxiliary loss needs nothing more (see ``MoEMLP._aux``).
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from labkit.core.checks import positive_int
+from labkit.core.moe import MoEMLP, Placement
+
+_RECORDS: list[dict] = []  # open record_all_to_all() logs
+
+
+class AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` that autograd can go through: forward sends ``in_splits[i]`` rows to rank
+    i of ``group`` and receives ``out_splits[i]`` from it; backward sends the gradients back the
+    same way, splits swapped. (``torch.distributed.nn.functional.all_to_all_single`` is the
+    library's equivalent; the tests hold the two equal on gloo.)"""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _exchange(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    row = math.prod(x.shape[1:]) * x.element_size()
+    me = dist.get_rank(group)
+    for log in _RECORDS:
+        log["calls"] += 1
+        log["bytes"] += (sum(in_splits) - in_splits[me]) * row  # to other ranks: the wire
+        log["payload"] += sum(in_splits) * row  # the whole input, this rank's own rows included
+        log["received"] += sum(out_splits) * row
+    return out
+
+
+@contextmanager
+def record_all_to_all() -> Iterator[dict]:
+    """Count this rank's token all-to-alls (forward and backward): calls, bytes sent to other ranks,
+    payload (the inputs whole) and bytes received (own rows included). The split-size exchange is
+    not counted."""
+    log = {"calls": 0, "bytes": 0, "payload": 0, "received": 0}
+    _RECORDS.append(log)
+    try:
+        yield log
+    finally:
+        _RECORDS.remove(log)
+
+
+@dataclass
+class EPGroups:
+    ep: int  # ranks per expert-parallel group
+    ep_rank: int  # this rank's place in its group: which experts it holds
+    ep_group: dist.ProcessGroup  # this rank's expert-parallel group
+    replica_group: dist.ProcessGroup | None  # the ranks holding the same experts (None when dp = 1)
+    replica_ranks: list[int]
+
+
+def make_groups(ep: int) -> EPGroups:
+    """Expert-parallel and replica groups of the running world (a collective: every rank calls it)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    positive_int("ep", ep)
+    if world % ep:
+        raise ValueError(f"ep={ep} must divide the world size {world}")
+    mine_ep = mine_rep = None
+    for g in range(world // ep):  # every rank creates every group, in the same order
+        grp = dist.new_group(list(range(g * ep, (g + 1) * ep))) if ep < world else dist.group.WORLD
+        mine_ep = grp if rank // ep == g else mine_ep
+    replicas = [list(range(i, world, ep)) for i in range(ep)]
+    for i, ranks in enumerate(replicas):
+        grp = dist.new_group(ranks) if len(ranks) > 1 else None
+        mine_rep = grp if rank % ep == i else mine_rep
+    return EPGroups(ep, rank % ep, mine_ep, mine_rep, replicas[rank % ep])
+
+
+class ExpertParallelPlacement(Placement):
+    """A block's experts ``[first, first + local)`` on this rank; the rest on its EP group's ranks."""
+
+    def __init__(self, groups: EPGroups, n_experts: int, a2a=None) -> None:
+        if n_experts % groups.ep:
+            raise ValueError(f"ep={groups.ep} must divide the number of experts {n_experts}")
+        self.groups, self.local = groups, n_experts // groups.ep
+        self.first = groups.ep_rank * self.local
+        self.a2a = a2a or AllToAll.apply
+
+    def shard(self) -> tuple[int, int]:
+        return dist.get_rank(), dist.get_world_size()
+
+    def all_reduce(self, table: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(table)
+        return table
+
+    def run(self, experts: nn.ModuleDict, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        ep, local, group = self.groups.ep, self.local, self.groups.ep_group
+        if ep == 1:  # every expert here: data parallelism with global routing, nothing to send
+            return super().run(experts, x, counts)
+        send = torch.tensor(counts, dtype=torch.int64, device=x.device)
+        recv = torch.empty_like(send)  # recv[s*local + e]: rows rank s sends to my expert e
+        dist.all_to_all_single(recv, send, group=group)  # the split sizes first
+        recv = recv.view(ep, local)
+        in_splits = send.view(ep, local).sum(dim=1).tolist()
+        out_splits = recv.sum(dim=1).tolist()
+        xr = self.a2a(x, out_splits, in_splits, group)  # rows by source rank, then by expert
+        # Regroup by local expert, run each expert on its rows, put them back in arrival order.
+        which = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ep), recv.flatten())
+        perm = torch.argsort(which, stable=True)
+        chunks = xr[perm].split(recv.sum(dim=0).tolist())
+        y = torch.cat([experts[str(self.first + e)](c) for e, c in enumerate(chunks)])
+        return self.a2a(y[torch.argsort(perm)], in_splits, out_splits, group)
+
+
+class ExpertParallel(nn.Module):
+    """Wrap a GPT with MoE blocks for expert parallelism over ``ep`` ranks, data parallel over the
+    rest. Each rank keeps its experts only; call :meth:`finish_gradient_sync` after backward."""
+
+    def __init__(self, module: nn.Module, ep: int, a2a=None) -> None:
+        super().__init__()
+        self.module, self.groups = module, make_groups(ep)
+        for block in self.moe_blocks():
+            block.placement = place = ExpertParallelPlacement(self.groups, block.n_experts, a2a)
+            for e in range(block.n_experts):
+                if not place.first <= e < place.first + place.local:
+                    del block.experts[str(e)]
+        self.expert_params = {id(p) for b in self.moe_blocks() for p in b.experts.parameters()}
+        shared = [p for p in module.parameters() if id(p) not in self.expert_params]
+        for p in shared:  # replicas start equal (as DDP's constructor ensures)
+            dist.broadcast(p.data, src=0)
+        if self.groups.replica_group is not None:
+            for p in self.expert_parameters():
+                dist.broadcast(p.data, src=self.groups.replica_ranks[0], group=self.groups.replica_group)
+
+    def moe_blocks(self) -> list[MoEMLP]:
+        return [m for m in self.module.modules() if isinstance(m, MoEMLP)]
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if id(p) in self.expert_params]
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: nothing to skip, gradients are synchronised only on request."""
+        yield
+
+    def finish_gradient_sync(self) -> None:
+        """Every gradient becomes (sum over the ranks' contributions) / world: non-expert ones summed
+        over all ranks, expert ones over their replica group (see the module's docstring)."""
+        world = dist.get_world_size()
+        shared = [p for p in self.module.parameters() if id(p) not in self.expert_params]
+        _reduce_grads(shared, None, world)
+        _reduce_grads(self.expert_parameters(), self.groups.replica_group, world, skip=self.groups.replica_group is None)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """One process's state dict, on every rank (a collective over the EP group): this rank's
+        entries plus the experts its group's other ranks hold, on the CPU."""
+        mine = {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+        parts: list = [None] * self.groups.ep
+        dist.all_gather_object(parts, {k: v for k, v in mine.items() if ".experts." in k}, group=self.groups.ep_group)
+        for part in parts:
+            mine.update(part)
+        return mine
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load one process's state dict: each rank takes its own experts and the shared entries."""
+        own = self.module.state_dict().keys()
+        self.module.load_state_dict({k: v for k, v in state.items() if k in own})
+
+    def groups_of(self, p: torch.Tensor) -> tuple:
+        """For :func:`labkit.parallel.clipping.clip_grad_norm_`: expert gradients are split over the
+        EP group (each counted once there); the rest are replicated."""
+        return (self.groups.ep_group,) if id(p) in self.expert_params else ()
+
+
+def _reduce_grads(params: list[nn.Parameter], group, world: int, skip: bool = False) -> None:
+    """Sum ``params``' gradients over ``group`` in one flat all-reduce, then divide by ``world``."""
+    for p in params:
+        if p.grad is None:  # an expert no token reached on any rank of its group
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    if not grads:
+        return
+    if not skip:
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
+    for g in grads:
+        g.div_(world)
+
+
+def all_to_all_bytes(sent: Sequence[Sequence[int]], hidden: int, bytes_per_element: int) -> list[int]:
+    """Bytes each rank of one EP group sends to the others in one forward and backward of one MoE
+    block, from the routing counts: ``sent[r][e]`` kept token-choices rank r dispatches to expert e
+    (experts placed ``E/ep`` per rank, in order). Rank r sends its rows for other ranks' experts
+    (forward dispatch, backward combine) and the outputs of rows other ranks sent it (forward
+    combine, backward dispatch): ``2 x (out_r + in_r) x hidden x bytes``."""
+    ep, E = len(sent), len(sent[0])
+    local = E // ep
+    mine = [range(r * local, (r + 1) * local) for r in range(ep)]
+    out = [sum(n for e, n in enumerate(sent[r]) if e not in mine[r]) for r in range(ep)]
+    into = [sum(sent[s][e] for s in range(ep) if s != r for e in mine[r]) for r in range(ep)]
+    return [2 * (o + i) * hidden * bytes_per_element for o, i in zip(out, into)]
+
+
+def expected_all_to_all_bytes(tokens: int, top_k: int, hidden: int, bytes_per_element: int, ep: int) -> float:
+    """The same in expectation, with uniform routing and nothing dropped: 4 all-to-alls (2 forward,
+    2 backward) of ``top_k x tokens x hidden x bytes x (ep-1)/ep`` per rank (``tokens``: this rank's)."""
+    return 4 * top_k * tokens * hidden * bytes_per_element * (ep - 1) / ep
