@@ -106,7 +106,7 @@ def test_whole_model_estimate_says_whether_it_fits():
     (lambda: mem.activation_bytes_per_layer(128, 1, 64, 4, recompute="some"), r"recompute='some' is unknown; valid modes: \['none', 'selective', 'full'\]"),
     (lambda: mem.activation_bytes_per_layer(-1, 1, 64, 4), "seq_len must be a positive integer"),
     (lambda: mem.estimate_memory("gpt-5"), "model='gpt-5' is unknown"),
-    (lambda: mem.estimate_memory("gpt2-124m", world_size=6, tp=4), "tp=4 x pp=1 must divide world_size=6"),
+    (lambda: mem.estimate_memory("gpt2-124m", world_size=6, tp=4), r"tp=4 x pp=1 x cp=1 \(and x ep=1\) must divide world_size=6"),
     (lambda: mem.estimate_memory("gpt2-124m", world_size=64, pp=16), "pp=16 stages need at least 16 layers"),
 ])
 def test_bad_input_is_named(call, match):
@@ -137,3 +137,35 @@ def test_pipeline_stages_divide_model_states_but_not_first_stage_activations():
     piped = mem.estimate_memory("gpt3-175b", world_size=64, stage=1, tp=8, pp=4, recompute="full")
     assert piped.params == pytest.approx(flat.params / 4, rel=1e-6)
     assert piped.activations == flat.activations  # 1F1B: p micro-batches in flight on stage 0
+
+
+def test_context_and_expert_parallelism_divide_what_they_split():
+    """Context parallelism divides every activation term by cp (each rank holds seq_len/cp tokens);
+    expert parallelism divides the experts' weights, gradients and optimizer states by ep."""
+    from labkit.memory.architecture import expert_params
+
+    one, four = (mem.estimate_memory("llama2-7b", 1, 8, 3, seq_len=131072, cp=c) for c in (1, 4))
+    assert four.activations == pytest.approx(one.activations / 4, rel=1e-6) and four.head == pytest.approx(one.head / 4, rel=1e-6)
+    assert (four.params, four.grads, four.optimizer) == (one.params, one.grads, one.optimizer)
+    shape = mem.model_shape("mixtral-8x7b")
+    assert (shape.n_params, shape.active_params) == (46_702_792_704, 12_879_925_248)  # Mistral AI's 46.7B / 12.9B
+    dense = shape.n_params - expert_params(shape)
+    for ep in (1, 2, 8):
+        e = mem.estimate_memory(shape, 1, 8, 0, "mixed", ep=ep)
+        held = dense + (expert_params(shape) / ep if ep > 1 else expert_params(shape))
+        assert e.params == pytest.approx(2 * held, rel=1e-9) and e.optimizer == pytest.approx(12 * held, rel=1e-9)
+    with pytest.raises(ValueError, match="ep=3 must divide the model's 8 experts"):
+        mem.estimate_memory(shape, 1, 6, 0, ep=3)
+    with pytest.raises(ValueError, match="ep=2 must divide the model's 1 experts"):
+        mem.estimate_memory("llama2-7b", 1, 8, 0, ep=2)
+
+
+def test_the_chooser_reaches_for_context_parallelism_on_long_sequences():
+    from labkit.planning.choose import choose_strategy
+
+    r = choose_strategy("llama2-7b", 8, 80, seq_len=131072)
+    cp = [o for o in r.options if "CP=" in o.label]
+    assert cp and any(o.fits for o in cp) and not r.options[0].fits  # DDP does not fit, a ring does
+    assert all(o.step["context_parallel"] > 0 for o in cp)
+    moe = choose_strategy("mixtral-8x7b", 64, 80, device="h100-80gb")
+    assert any(o.label.startswith("EP=8") and o.step["expert_parallel"] > 0 for o in moe.options)

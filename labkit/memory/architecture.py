@@ -166,4 +166,18 @@ MODELS = {
     "llama-65b": _llama(8192, 80, 64, 22016, seq_len=2048, note="LLaMA 65B, Touvron et al. 2023a (QLoRA's 65B)"),
     "llama2-70b": _llama(8192, 80, 64, 28672, kv_heads=8, note="Touvron et al. 2023 (GQA, 8 KV heads)"),
     "gpt3-175b": ModelShape(175_000_000_000, 96, 12288, 96, 50257, 2048, "Brown et al. 2020"),
+    "mixtral-8x7b": ModelShape.from_dims("llama", 4096, 32, 32, 32000, 4096, kv_heads=8, intermediate=14336,
+                                         experts=8, experts_per_token=2, tied=False,
+                                         note="Jiang et al. 2024: 8 experts, 2 per token (46.7B total, 12.9B active)"),
 }
+
+
+def expert_params(shape: ModelShape) -> int:
+    """Parameters in the experts' MLPs, every layer and every expert (0 for a dense model): what
+    expert parallelism divides over its ranks."""
+    if shape.experts <= 1:
+        return 0
+    mlp = sum(i * o for name, (i, o, _) in linear_layers(shape).items() if name in ("gate", "up", "down"))
+    if shape.family == "gpt":
+        mlp += shape.ffn + shape.hidden  # biases
+    return shape.n_layer * shape.experts * mlp

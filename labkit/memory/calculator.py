@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 
 from labkit.core.checks import one_of, positive_int
-from labkit.memory.architecture import MODELS, ModelShape
+from labkit.memory.architecture import MODELS, ModelShape, expert_params
 from labkit.memory.hf_config import shape_from_hf_config
 
 GB = 10**9  # the ZeRO paper's GB; GiB is 2**30
@@ -193,7 +193,8 @@ def estimate_memory(model, micro_batch: int = 1, world_size: int = 1, stage: int
                     precision: str = "mixed", recompute: str = "none", tp: int = 1,
                     sequence_parallel: bool = False, device_memory_gb: float = 80.0,
                     offload_optimizer: bool = False, flash_attention: bool = True,
-                    dropout: bool = True, seq_len: int | None = None, pp: int = 1) -> MemoryEstimate:
+                    dropout: bool = True, seq_len: int | None = None, pp: int = 1, cp: int = 1,
+                    ep: int = 1) -> MemoryEstimate:
     """Whole-model, per-device estimate: model states, activations of every layer, and the head.
 
     Tensor parallelism divides the layer weights by ``tp`` and pipeline parallelism by ``pp``
@@ -203,22 +204,37 @@ def estimate_memory(model, micro_batch: int = 1, world_size: int = 1, stage: int
     section 4.2.3); the last stage holds the head. The head keeps the final LayerNorm's input and output
     and the fp32 log-softmax that cross-entropy saves (4 bytes of s*b*V/tp; a loop that also holds
     on to the logits keeps as much again). Activations are 4 bytes wide in fp32 training, 2 otherwise.
+
+    Context parallelism over ``cp`` ranks gives each rank ``seq_len / cp`` tokens of every sequence,
+    so every activation term falls by ``cp`` (Liu et al. 2023); the parameters stay replicated over
+    them, and ZeRO shards over all ``world_size / (tp * pp)`` ranks that hold copies. Expert
+    parallelism over ``ep`` ranks divides the experts' parameters (and their gradients and optimizer
+    states) by ``ep``; ZeRO then shards them over the ``world_size / (tp * pp * ep)`` ranks holding the
+    same experts (:func:`parallel_parts`). A token routed to ``k`` experts keeps ``k`` MLPs' activations,
+    the MLP's 19 of the 34 sbh of a layer (Korthikanti et al. 2022), hence ``1 + (k-1) 19/34``.
     """
     shape = model_shape(model)
     world_size, tp, pp = _count("world_size", world_size), _count("tp", tp), _count("pp", pp)
-    if world_size % (tp * pp):
-        raise ValueError(f"tp={tp} x pp={pp} must divide world_size={world_size}")
+    cp, ep = _count("cp", cp), _count("ep", ep)
+    if world_size % (tp * pp * cp) or world_size % (tp * pp * ep):
+        raise ValueError(f"tp={tp} x pp={pp} x cp={cp} (and x ep={ep}) must divide world_size={world_size}")
+    if ep > 1 and shape.experts % ep:
+        raise ValueError(f"ep={ep} must divide the model's {shape.experts} experts")
     if pp > shape.n_layer:
         raise ValueError(f"pp={pp} stages need at least {pp} layers; the model has {shape.n_layer}")
     if device_memory_gb <= 0:
         raise ValueError(f"device_memory_gb must be positive, got {device_memory_gb!r}")
-    s = _count("seq_len", seq_len or shape.seq_len)
-    dp = world_size // (tp * pp)
-    states = model_state_breakdown(math.ceil(shape.n_params / (tp * pp)), dp, stage, precision)
+    full_s = _count("seq_len", seq_len or shape.seq_len)
+    if full_s % cp:
+        raise ValueError(f"cp={cp} must divide seq_len={full_s}")
+    s = full_s // cp  # this rank's tokens of every sequence
+    states = parallel_parts(shape, world_size, stage, precision, tp, pp, ep)
     act_dtype = 4 if precision == "fp32" else 2
     per_layer = activation_bytes_per_layer(s, micro_batch, shape.hidden, shape.heads, tp,
                                            sequence_parallel, recompute, act_dtype,
                                            dropout=dropout, flash_attention=flash_attention)
+    if shape.experts_per_token > 1 and recompute != "full":
+        per_layer = math.ceil(per_layer * (1 + Fraction(19 * (shape.experts_per_token - 1), 34)))
     layers = per_layer * shape.n_layer
     if recompute == "full":  # backward re-materialises one layer at a time on top of the inputs kept
         layers += activation_bytes_per_layer(s, micro_batch, shape.hidden, shape.heads, tp, sequence_parallel,
@@ -236,6 +252,20 @@ def estimate_memory(model, micro_batch: int = 1, world_size: int = 1, stage: int
     return MemoryEstimate(name, world_size, stage, precision, recompute, tp, offload_optimizer,
                           states.params, states.grads, optimizer, layers, head,
                           int(device_memory_gb * GB), host,
-                          parts={"activation_bytes_per_layer": per_layer, "seq_len": s,
-                                 "micro_batch": micro_batch, "n_params": shape.n_params})
+                          parts={"activation_bytes_per_layer": per_layer, "seq_len": full_s, "seq_len_per_rank": s,
+                                 "micro_batch": micro_batch, "n_params": shape.n_params, "cp": cp, "ep": ep})
+
+
+def parallel_parts(shape, world_size: int, stage: int, precision: str, tp: int = 1, pp: int = 1,
+                   ep: int = 1) -> ModelStates:
+    """Model states per device: the dense weights split by ``tp x pp`` and sharded by ZeRO over the
+    ``world_size / (tp x pp)`` ranks holding copies; the experts' weights further split by ``ep`` and
+    sharded over the ``world_size / (tp x pp x ep)`` ranks holding the same experts."""
+    experts = expert_params(shape) if ep > 1 else 0
+    dp = world_size // (tp * pp)
+    dense = model_state_breakdown(math.ceil((shape.n_params - experts) / (tp * pp)), dp, stage, precision)
+    if not experts:
+        return dense
+    mine = model_state_breakdown(math.ceil(experts / (tp * pp * ep)), dp // ep, stage, precision)
+    return ModelStates(*(getattr(dense, f) + getattr(mine, f) for f in ("params", "grads", "optimizer", "grad_accum")))
 

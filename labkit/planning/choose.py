@@ -8,6 +8,10 @@ Candidates are listed in order of what they give up, and the order breaks ties:
 3. **Gradient accumulation**: the same tokens per step in micro-batches of one, when activations are
    what does not fit; it costs nothing on the wire, and some efficiency of small matmuls.
 4. **Full recomputation**: one more forward pass, a third more compute (Chen et al. 2016).
+   **Context parallelism** (Liu et al. 2023) when the sequence is what does not fit: each rank holds
+   1/cp of it, at the price of passing K and V round a ring every layer.
+   **Expert parallelism** for mixture-of-experts models (Lepikhin et al. 2020): the experts' states
+   divided over ranks, four all-to-alls of the routed tokens per layer.
 5. **Tensor parallelism inside a node**, with sequence parallelism (Shoeybi et al. 2019; Korthikanti
    et al. 2022): four all-reduces of the activations per layer over NVLink.
 6. **Pipeline stages across nodes** on top of TP=8 (Narayanan et al. 2021): the 1F1B bubble, with
@@ -32,28 +36,40 @@ from labkit.planning.accelerators import accelerator
 from labkit.planning.cost import price_run, training_flops, training_hours
 from labkit.planning.step_time import step_seconds
 
-# (label, ZeRO stage, recompute, optimizer offload, tp, pp, micro-batches of one instead of one of b)
+# (label, ZeRO stage, recompute, optimizer offload, tp, pp, micro-batches of one instead of one of b,
+#  context-parallel degree, expert-parallel degree)
 CANDIDATES = [
-    ("DDP", 0, "none", False, 1, 1, False),
-    ("ZeRO-1", 1, "none", False, 1, 1, False),
-    ("ZeRO-2 (FSDP SHARD_GRAD_OP)", 2, "none", False, 1, 1, False),
-    ("ZeRO-3 / FSDP", 3, "none", False, 1, 1, False),
-    ("DDP + gradient accumulation", 0, "none", False, 1, 1, True),
-    ("ZeRO-1 + gradient accumulation", 1, "none", False, 1, 1, True),
-    ("ZeRO-3 / FSDP + gradient accumulation", 3, "none", False, 1, 1, True),
-    ("ZeRO-3 / FSDP + full recompute", 3, "full", False, 1, 1, False),
-    ("ZeRO-3 / FSDP + full recompute + gradient accumulation", 3, "full", False, 1, 1, True),
-    ("TP=2 + SP + ZeRO-1", 1, "none", False, 2, 1, False),
-    ("TP=4 + SP + ZeRO-1", 1, "none", False, 4, 1, False),
-    ("TP=8 + SP + ZeRO-1", 1, "none", False, 8, 1, False),
-    ("TP=2 + SP + ZeRO-3 + full recompute", 3, "full", False, 2, 1, False),
-    ("TP=4 + SP + ZeRO-3 + full recompute", 3, "full", False, 4, 1, False),
-    ("TP=8 + SP + ZeRO-3 + full recompute", 3, "full", False, 8, 1, False),
-    ("TP=8 + PP=2 (1F1B) + ZeRO-1 + full recompute", 1, "full", False, 8, 2, False),
-    ("TP=8 + PP=4 (1F1B) + ZeRO-1 + full recompute", 1, "full", False, 8, 4, False),
-    ("TP=8 + PP=8 (1F1B) + ZeRO-1 + full recompute", 1, "full", False, 8, 8, False),
-    ("ZeRO-3 / FSDP + full recompute + optimizer offload", 3, "full", True, 1, 1, False),
+    ("DDP", 0, "none", False, 1, 1, False, 1, 1),
+    ("ZeRO-1", 1, "none", False, 1, 1, False, 1, 1),
+    ("ZeRO-2 (FSDP SHARD_GRAD_OP)", 2, "none", False, 1, 1, False, 1, 1),
+    ("ZeRO-3 / FSDP", 3, "none", False, 1, 1, False, 1, 1),
+    ("EP=8 + ZeRO-1", 1, "none", False, 1, 1, False, 1, 8),
+    ("EP=8 + ZeRO-3", 3, "none", False, 1, 1, False, 1, 8),
+    ("DDP + gradient accumulation", 0, "none", False, 1, 1, True, 1, 1),
+    ("ZeRO-1 + gradient accumulation", 1, "none", False, 1, 1, True, 1, 1),
+    ("ZeRO-3 / FSDP + gradient accumulation", 3, "none", False, 1, 1, True, 1, 1),
+    ("ZeRO-3 / FSDP + full recompute", 3, "full", False, 1, 1, False, 1, 1),
+    ("ZeRO-3 / FSDP + full recompute + gradient accumulation", 3, "full", False, 1, 1, True, 1, 1),
+    ("EP=8 + ZeRO-3 + full recompute", 3, "full", False, 1, 1, False, 1, 8),
+    ("ZeRO-3 / FSDP + CP=2 (ring attention)", 3, "none", False, 1, 1, False, 2, 1),
+    ("ZeRO-3 / FSDP + CP=4 (ring attention)", 3, "none", False, 1, 1, False, 4, 1),
+    ("ZeRO-3 / FSDP + CP=8 (ring attention)", 3, "none", False, 1, 1, False, 8, 1),
+    ("ZeRO-3 / FSDP + full recompute + CP=2", 3, "full", False, 1, 1, False, 2, 1),
+    ("ZeRO-3 / FSDP + full recompute + CP=4", 3, "full", False, 1, 1, False, 4, 1),
+    ("ZeRO-3 / FSDP + full recompute + CP=8", 3, "full", False, 1, 1, False, 8, 1),
+    ("TP=2 + SP + ZeRO-1", 1, "none", False, 2, 1, False, 1, 1),
+    ("TP=4 + SP + ZeRO-1", 1, "none", False, 4, 1, False, 1, 1),
+    ("TP=8 + SP + ZeRO-1", 1, "none", False, 8, 1, False, 1, 1),
+    ("TP=2 + SP + ZeRO-3 + full recompute", 3, "full", False, 2, 1, False, 1, 1),
+    ("TP=4 + SP + ZeRO-3 + full recompute", 3, "full", False, 4, 1, False, 1, 1),
+    ("TP=8 + SP + ZeRO-3 + full recompute", 3, "full", False, 8, 1, False, 1, 1),
+    ("TP=8 + PP=2 (1F1B) + ZeRO-1 + full recompute", 1, "full", False, 8, 2, False, 1, 1),
+    ("TP=8 + PP=4 (1F1B) + ZeRO-1 + full recompute", 1, "full", False, 8, 4, False, 1, 1),
+    ("TP=8 + PP=8 (1F1B) + ZeRO-1 + full recompute", 1, "full", False, 8, 8, False, 1, 1),
+    ("ZeRO-3 / FSDP + full recompute + optimizer offload", 3, "full", True, 1, 1, False, 1, 1),
 ]
+
+
 @dataclass(frozen=True)
 class Option:
     label: str
@@ -115,19 +131,21 @@ def _options(shape, n_devices: int, device_memory_gb: float, micro_batch: int, s
              precision: str, devices_per_node: int, usable: int, device: str, hfu: float) -> list[Option]:
     options = []
     s = seq_len or shape.seq_len
-    for label, stage, recompute, offload, tp, pp, accumulate in CANDIDATES:
-        if tp > min(devices_per_node, n_devices) or n_devices % (tp * pp) or pp > shape.n_layer:
+    for label, stage, recompute, offload, tp, pp, accumulate, cp, ep in CANDIDATES:
+        if tp > min(devices_per_node, n_devices) or n_devices % (tp * pp * cp) or pp > shape.n_layer:
             continue
-        if accumulate and micro_batch == 1:
-            continue  # nothing to accumulate
+        if (accumulate and micro_batch == 1) or s % cp or cp > min(devices_per_node, n_devices):
+            continue  # nothing to accumulate; a sequence that does not split; a ring beyond NVLink
+        if ep > 1 and (shape.experts % ep or n_devices % ep or ep > devices_per_node):
+            continue  # a dense model, or experts that do not split over the node
         mb = 1 if accumulate else micro_batch
         est = estimate_memory(shape, mb, n_devices, stage, precision, recompute, tp,
                               sequence_parallel=tp > 1, device_memory_gb=device_memory_gb,
-                              offload_optimizer=offload, seq_len=seq_len, pp=pp)
+                              offload_optimizer=offload, seq_len=seq_len, pp=pp, cp=cp, ep=ep)
         # Every candidate trains the same global batch, micro_batch sequences per device: a replica on
-        # tp x pp devices takes tp x pp times as many, in micro-batches of mb
-        t = step_seconds(shape, n_devices, micro_batch * tp * pp, mb, s, stage, recompute, offload, tp, pp,
-                         device, hfu, devices_per_node)
+        # tp x pp x cp devices takes tp x pp x cp times as many, in micro-batches of mb
+        t = step_seconds(shape, n_devices, micro_batch * tp * pp * cp, mb, s, stage, recompute, offload, tp, pp,
+                         device, hfu, devices_per_node, cp, ep)
         options.append(Option(label if not accumulate else f"{label} ({micro_batch} micro-batches of 1)", est,
                               usable, t))
     return options

@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "weights, gradients, Adam states: mixed (2, 2, 12; the default) ... bf16_adam32 (2, 2, 8: "
                    "QLoRA's bf16 adapters with fp32 moments, the default for --finetune qlora)")
     p.add_argument("--recompute", default="none", choices=list(RECOMPUTE))
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree: each sequence split over this many "
+                   "devices, activations divided by it (ring attention)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (mixture-of-experts models): the "
+                   "experts' weights and optimizer states divided over this many devices")
     f = p.add_argument_group("fine-tuning", "LoRA (Hu et al. 2021) and QLoRA (Dettmers et al. 2023): see "
                              "labkit.memory.finetune for the bytes of each kind")
     f.add_argument("--finetune", default=None, choices=FINETUNE, help="full (every weight trained), lora (bf16 "
@@ -81,6 +85,10 @@ def _check(a) -> None:
     """The flags' own checks, naming the flag (the calculator's messages name its parameters)."""
     positive_int("--devices", a.devices)
     positive_int("--micro-batch", a.micro_batch)
+    positive_int("--cp", a.cp)
+    positive_int("--ep", a.ep)
+    if a.finetune and (a.cp > 1 or a.ep > 1):
+        raise ValueError("--cp and --ep apply to training from scratch here, not to --finetune")
     for flag in ("seq_len", "lora_rank", *SHAPE_FLAGS):
         if getattr(a, flag) is not None:
             positive_int("--" + flag.replace("_", "-"), getattr(a, flag))
@@ -137,7 +145,7 @@ def _plan(a) -> dict:
     else:
         precision = a.precision or "mixed"
         stages = [estimate_memory(shape, a.micro_batch, a.devices, s, precision, a.recompute,
-                                  device_memory_gb=memory_gb, seq_len=a.seq_len) for s in range(4)]
+                                  device_memory_gb=memory_gb, seq_len=a.seq_len, cp=a.cp, ep=a.ep) for s in range(4)]
         rec = choose_strategy(shape, a.devices, memory_gb, a.micro_batch, a.seq_len, precision)
     price = None
     if a.tokens:
