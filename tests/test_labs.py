@@ -415,3 +415,32 @@ def test_communication_lab_metrics(lab_metrics):
     assert rec["comm_hsdp_state_ratio"] == pytest.approx(2.0, rel=1e-3)
     # the slow run: slower than one process with every cause, faster with none
     assert rec["comm_diag_first"] < 1 < rec["comm_diag_last"] and rec["comm_mismatch_detected"]
+
+
+def test_long_context_experts_lab_metrics(lab_metrics):
+    m = lab_metrics["long_context_experts"]
+    P, rec = m["params"], m["recorded"]
+    assert m["profile"] == "ci"
+    # ring attention (both layouts) and Ulysses equal one process, forward and backward, in fp32
+    assert rec["lce_attn_max_err"] < 1e-5 and len(m["attention_errors"]) == 3 * len(P["attn_lengths"])
+    # the zig-zag split balances causal work exactly, the contiguous one does not; both as the formula
+    assert m["work"]["ring, zig-zag"] == m["work_formula"]["zigzag"]
+    assert m["work"]["ring, contiguous"] == m["work_formula"]["contiguous"]
+    assert rec["lce_zigzag_spread"] == 1.0 < rec["lce_contiguous_spread"]
+    # --strategy cp: one process's losses, the formula's K/V bytes, activations falling as 1/cp
+    assert rec["lce_cp_loss_diff"] < 1e-5 and rec["lce_cp_kv_bytes"] == rec["lce_cp_kv_formula"]
+    assert 1.0 <= rec["lce_act_ratio_max"] < 1.1
+    acts = m["activations"]
+    for c, a in acts.items():  # the calculator's activations per rank within 10% of the measured
+        assert a["calculator"] == pytest.approx(a["measured"], rel=0.1), (c, a)
+    # 128k tokens of a 7B model: no fit without context parallelism, a fit with it
+    assert m["long_context_gb"]["1"] > 80 > m["long_context_gb"]["8"] and rec["lce_128k_min_cp"] > 1
+    # the balancing loss evens the load; capacity drops fewer choices as it grows
+    assert rec["lce_cv_aux"] < rec["lce_cv_none"]
+    drops = [m["moe"]["dropped"][f"{P['aux_weight']} {f}"] for f in P["capacity_factors"]]
+    assert drops == sorted(drops, reverse=True) and drops[-1] < drops[0]
+    # --strategy ep: one process's losses with nothing dropped; all-to-all bytes near the uniform estimate
+    assert rec["lce_ep_loss_diff"] < 1e-5 and m["ep"]["dropped"] == 0
+    assert 0.5 < rec["lce_ep_a2a_bytes"] / rec["lce_ep_a2a_expected"] < 1.5
+    # Mixtral's shape on 64 x 80 GB: expert parallelism is what makes it fit
+    assert m["mixtral_gb"]["1"] > 80 > m["mixtral_gb"]["8"]

@@ -39,7 +39,7 @@ def _rank_counts(n: int) -> list[int]:
 
 # Labs that are about splitting one model over ranks: below this many GPUs, their gpu profile runs
 # the cpu profile on CPU processes instead (and says so), rather than pretend on one GPU.
-MIN_GPUS = {"tensor_parallel": 2, "pipeline_parallel": 2, "communication": 2}
+MIN_GPUS = {"tensor_parallel": 2, "pipeline_parallel": 2, "communication": 2, "long_context_experts": 2}
 
 
 def fit_to_gpus(lab: str, p: dict, n: int) -> dict:

@@ -160,6 +160,21 @@ PROFILES["communication"] = {
                 hsdp_world=4, replicas=2, slow_rows=1, fast_rows=8, input_delay_ms=100.0, slow_link_gbps=1.0,
                 diag_steps=8),
 }
+# Long sequences and many experts: context parallelism and a mixture of experts, each against one process.
+_LCE = dict(attn_heads=4, attn_head_dim=16, top_k=2, aux_weight=0.01, ep_capacity_factor=4.0, seed=0)
+PROFILES["long_context_experts"] = {
+    "cpu": dict(**FP32, **_LCE, device="cpu", world_size=2, attn_lengths=[64, 256], balance_world=4, n_layer=2,
+                n_head=4, n_embd=64, block_size=128, batch_size=4, steps=10, lr=1e-3, act_rows=2,
+                cp_degrees=[1, 2, 4], experts=4, moe_steps=60, capacity_factors=[0.5, 0.75, 1.0, 1.25, 1.5, 2.0]),
+    "ci": dict(**FP32, **_LCE, device="cpu", world_size=2, attn_lengths=[32, 64], balance_world=4, n_layer=2,
+               n_head=4, n_embd=64, block_size=32, batch_size=4, steps=4, lr=1e-3, act_rows=2,
+               cp_degrees=[1, 2, 4], experts=4, moe_steps=20, capacity_factors=[0.5, 1.0, 1.5, 2.0]),
+    # GPT-2 small's width on every GPU of a node (the attention checks stay on CPU processes)
+    "gpu": dict(**FP32, **_LCE, device="cuda", world_size="all", attn_lengths=[1024, 4096], balance_world=4,
+                n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size="8 per rank", steps=20, lr=6e-4,
+                act_rows=1, cp_degrees=[1, 2, 4], experts=8, moe_steps=200,
+                capacity_factors=[0.5, 0.75, 1.0, 1.25, 1.5, 2.0]),
+}
 # Pure arithmetic: no profile changes what it computes, but every lab answers to the same names.
 PROFILES["strategy_cost"]["ci"] = PROFILES["strategy_cost"]["gpu"] = PROFILES["strategy_cost"]["cpu"]
 # Fault tolerance: a torchrun job killed and preempted on purpose, checkpoint costs, the $18,000 run.
@@ -192,4 +207,5 @@ GPU_CHECK: dict[str, dict] = {
     "packing": dict(steps=20, warmup=4, article_n=200_000, bench_n=50_000),
     "fault_tolerance": dict(steps=40, save_every=10, bench_repeats=2, naive_trials=10),
     "communication": dict(max_bytes=16 << 20, steps=4, diag_steps=4),
+    "long_context_experts": dict(steps=4, moe_steps=20),
 }

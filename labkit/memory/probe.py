@@ -115,6 +115,27 @@ def activation_bytes_per_layer_measured(cfg, micro_batch: int, autocast_dtype: t
     return (big["total"] - small["total"]) // cfg.n_layer
 
 
+def cp_activation_bytes(cfg, micro_batch: int, seed: int = 0) -> int:
+    """Bytes this rank saves for backward in one forward of the GPT under context parallelism over
+    the default group (every rank), its slice of each sequence with ring attention; a collective.
+    One process (a group of one) measures the whole sequence."""
+    import torch.distributed as dist
+
+    from labkit.core.model import build_model
+    from labkit.parallel.context_parallel import ring_attention
+    from labkit.parallel.cp_layout import zigzag_shard
+
+    C, r = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    model = build_model(cfg, seed)
+    if C > 1:
+        for block in model.blocks:
+            block.attn.attend = ring_attention
+    g = torch.Generator().manual_seed(seed)
+    idx, tgt = (zigzag_shard(t, C, r, dim=1) if C > 1 else t
+                for t in torch.randint(0, cfg.vocab_size, (2, micro_batch, cfg.block_size), generator=g))
+    return saved_activation_bytes(model, idx, tgt)["total"]
+
+
 def fake_fsdp_memory(cfg, world_size: int = 8, micro_batch: int = 1) -> dict[str, int]:
     """Per-rank bytes of FSDP2 (fp32 Adam) for ``cfg`` on ``world_size`` ranks, on fake tensors.
 
