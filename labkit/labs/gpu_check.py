@@ -23,12 +23,12 @@ from typing import Callable
 
 from labkit.core.checks import positive_int
 from labkit.core.cli import ArgumentParser
-from labkit.labs import gpu_items
+from labkit.labs import gpu_items, gpu_items_parallel
 from labkit.labs.gpu_items import Item, Setting, has, log
 from labkit.labs.profiles import GPU_CHECK
 from labkit.labs.runner import ROOT, list_labs, run_lab
 
-ITEMS = ("environment", "strategies", "precision", "speed", "determinism", "labs")
+ITEMS = ("environment", "strategies", "context", "experts", "precision", "speed", "determinism", "labs")
 STATUS = {"pass": "PASS", "fail": "FAIL", "skip": "SKIP"}
 
 
@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         if name == "labs":
             items += lab_items(s, labs, profile, args.out / "labs", args.as_script)
         else:
-            items += _guarded(name, lambda name=name: getattr(gpu_items, name)(s))
+            module = gpu_items_parallel if hasattr(gpu_items_parallel, name) else gpu_items
+            items += _guarded(name, lambda name=name, module=module: getattr(module, name)(s))
     js, md = report(items, s, args.out)
     failed = [i.name for i in items if i.status == "fail"]
     log(f"gpu-check: {len(items) - len(failed)} of {len(items)} items passed or skipped in "

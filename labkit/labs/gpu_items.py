@@ -120,6 +120,11 @@ def strategy_configs(s: Setting) -> tuple[dict, list[str]]:
                 continue
         if "pp" in spec.options:
             extra.update(pp=s.world, microbatches=2 * s.world, pp_schedule="1f1b")
+        if name == "hsdp":
+            extra["replicas"] = 2 if s.world % 2 == 0 else 1
+        if spec.moe and name != "single":  # a mixture-of-experts model: the experts item trains it
+            skipped.append(f"{name}: trains a mixture-of-experts model; see the item 'experts'")
+            continue
         configs[name] = replace(base, strategy=name, **extra)
     return configs, skipped
 
