@@ -193,7 +193,25 @@ def test_job_script_is_shellcheck_clean():
     assert out.returncode == 0, out.stdout
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+# The recipes relay what `python -m labkit.train --strategy S --can-checkpoint` answers; one strategy of
+# each kind of answer goes through a recipe here (a subprocess that imports torch each time), and
+# test_every_strategys_can_checkpoint_answer_is_the_registrys holds the answer for every strategy.
+RECIPE_STRATEGIES = ["ddp", "zero3", "tp_scratch", "ep"]
+
+
+def test_every_strategys_can_checkpoint_answer_is_the_registrys(capsys):
+    from labkit.train.cli import main as train_main
+
+    for name in STRATEGIES:
+        assert train_main(["--strategy", name, "--can-checkpoint"]) == 0
+        out = capsys.readouterr().out.strip()
+        assert (out == "yes") == (not _rejects_checkpoints(name)), (name, out)
+        assert out == "yes" or out.startswith("no: ") and len(out) > 10, (name, out)
+    kinds = {_rejects_checkpoints(s) for s in RECIPE_STRATEGIES}
+    assert kinds == {True, False} and any(STRATEGIES[s].deepspeed for s in RECIPE_STRATEGIES)
+
+
+@pytest.mark.parametrize("strategy", RECIPE_STRATEGIES)
 def test_job_passes_checkpoint_flags_only_where_labkit_can_checkpoint(strategy, tmp_path):
     literals, job = _build(K8S)
     env = {**literals, **{e["name"]: e["value"] for e in _container(job).get("env", [])},
@@ -371,7 +389,7 @@ def test_lab_and_deepspeed_scripts_stop_early_naming_what_is_missing():
     assert out.returncode == 2 and "STRATEGY=ddp is not a DeepSpeed strategy; valid: zero1, zero2, zero3" in out.stderr
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", RECIPE_STRATEGIES)
 def test_train_sbatch_passes_checkpoint_flags_only_where_labkit_can_checkpoint(strategy, tmp_path):
     out, argv = _sbatch("train.sbatch", tmp_path, STRATEGY=strategy)
     assert out.returncode == 0, out.stderr
