@@ -57,7 +57,7 @@ def _submit(course: Path, student: str, lab: str, nb) -> None:
 # imports and data_parallel's two ranks dominate). Only used to split the labs over two nbgrader
 # processes that run side by side, one per core.
 COST = {"data_parallel": 36, "activation_checkpointing": 24, "zero_fsdp": 18, "input_pipeline": 12,
-        "tensor_parallel": 12, "pipeline_parallel": 12, "memory": 5 + 12}  # + the bad-input run
+        "tensor_parallel": 12, "pipeline_parallel": 12, "finetuning": 12, "memory": 5 + 12}  # + the bad-input run
 
 
 def _split(labs: list[str]) -> list[list[str]]:

@@ -16,6 +16,8 @@ HTML = ROOT / "_build" / "html"
 # page -> figures it must show (glued from the executed labs, or the lab's own plots)
 PAGES = {"book/data_parallel.html": 4, "book/labs/data_parallel.html": 3, "book/memory.html": 4,
          "book/communication.html": 4, "book/labs/communication.html": 3,
+         "book/long_context_experts.html": 2, "book/labs/long_context_experts.html": 2,
+         "book/finetuning.html": 3, "book/labs/finetuning.html": 4,
          "book/labs/memory.html": 3, "book/zero_fsdp.html": 7, "book/labs/zero_fsdp.html": 5, "book/activation_checkpointing.html": 2,
          "book/labs/activation_checkpointing.html": 2, "book/strategy_cost.html": 1, "book/labs/strategy_cost.html": 1,
          "book/input_pipeline.html": 5, "book/labs/input_pipeline.html": 5,

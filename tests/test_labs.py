@@ -444,3 +444,52 @@ def test_long_context_experts_lab_metrics(lab_metrics):
     assert 0.5 < rec["lce_ep_a2a_bytes"] / rec["lce_ep_a2a_expected"] < 1.5
     # Mixtral's shape on 64 x 80 GB: expert parallelism is what makes it fit
     assert m["mixtral_gb"]["1"] > 80 > m["mixtral_gb"]["8"]
+
+
+def test_finetuning_lab_metrics(lab_metrics):
+    m = lab_metrics["finetuning"]
+    P, rec = m["params"], m["recorded"]
+    assert m["profile"] == "ci"
+    # the question first: QLoRA fits one A100 (with recompute), full fine-tuning on 8 needs offload
+    ways = {w["option"].split(" ")[0]: w for w in m["ways"]}
+    assert ways["QLoRA"]["fits"] and ways["QLoRA"]["gpus"] == 1 and ways["QLoRA"]["gb_per_gpu"] < 72
+    assert "offload" in ways["full"]["layout"] and rec["ft_way_pretraining_years"] > 10
+    # the checkpoint learned Shakespeare; every run learned Python and left its frozen tensors bit-identical
+    assert rec["ft_pretrain_loss_last"] < rec["ft_pretrain_loss_first"] - 2
+    C, L = P["n_embd"], P["n_layer"]
+    runs = {r["run"]: r for r in m["runs"]}
+    for r in m["runs"]:
+        assert r["frozen_unchanged"] and r["val_loss_after"] < r["val_loss_before"] - 0.5, r["run"]
+        if r["method"] != "full":  # LoRA's r(in + out) over qkv, proj, fc, proj: 16 r C per layer
+            assert r["trainable_params"] == 16 * r["r"] * C * L
+            assert r["gradients"] == r["trainable"] and r["optimizer"] > 2 * r["trainable"]
+    full = runs["full"]
+    assert full["trainable_params"] == m["n_params"] and full["frozen"] == 0
+    assert all(r["val_loss_after"] >= full["val_loss_after"] for r in m["runs"])  # full is the quality bar
+    assert rec["ft_merge_diff"] < 1e-5 and rec["ft_lora_formula"] == rec["ft_mid_trainable"]
+    # QLoRA: NF4 base near a quarter of fp32's; the calculator's model states within 0.1% once the
+    # NF4 lookup tables (fixed, ~1 KB per weight) are set aside, within 10% with them
+    assert 0.15 < rec["ft_qlora_frozen_ratio"] < 0.3
+    assert abs(rec["ft_check_qlora_frozen_no_tables_diff"]) < 1e-3 and abs(rec["ft_check_qlora_frozen_diff"]) < 0.1
+    for c in m["calculator"]:
+        for kind in ("trainable", "gradients", "optimizer"):
+            assert abs(c["rel_diff"][kind]) < 1e-3, (c["method"], kind)  # step counters only
+    assert abs(rec["ft_check_full_act_diff"]) < 0.05  # fp32: masks and LayerNorm statistics
+    assert -0.25 < rec["ft_check_lora_act_diff"] < 0  # bf16 logits' log-softmax, no dropout here
+    # the QLoRA paper's headline, and DeepSpeed's estimator against the paper's formula
+    assert rec["ft_65b_fits"] and 44 < rec["ft_65b_gb"] < 46
+    assert round(rec["ft_ds2_deepspeed_gib"], 2) == 29.69 and round(rec["ft_ds2_paper_gib"], 1) == 26.2
+    # gradient accumulation: the unaccumulated losses within fp32's 1e-5, activations 1/k, memory down
+    acc = m["accumulation"]
+    assert [a["accum"] for a in acc] == P["accums"] and rec["ft_acc_max_loss_diff"] <= 1e-5
+    for a in acc:
+        assert a["activation_bytes"] == pytest.approx(acc[0]["activation_bytes"] / a["accum"], rel=0.01)
+    assert [a["total_bytes"] for a in acc] == sorted((a["total_bytes"] for a in acc), reverse=True)
+    # the noise scale: positive and finite, larger at the checkpoint than at the start of training
+    wins = m["pretrain"]["windows"]
+    assert all(w["g2"] > 0 and 0 < w["b_simple"] < 1e4 for w in wins)
+    assert 0 < m["b_noise"] < 1e3 and m["b_noise"] > wins[0]["b_simple"]
+    eff = [r["efficiency"] for r in m["rank_table"]]
+    assert eff == sorted(eff, reverse=True) and eff[0] == 1.0 and eff[-1] < 0.5
+    # the learning-rate sweep: a best rate inside the grid for every batch
+    assert all(min(P["sweep_lrs"]) <= lr <= max(P["sweep_lrs"]) for lr in m["best_lr"].values())

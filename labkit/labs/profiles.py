@@ -175,6 +175,29 @@ PROFILES["long_context_experts"] = {
                 act_rows=1, cp_degrees=[1, 2, 4], experts=8, moe_steps=200,
                 capacity_factors=[0.5, 0.75, 1.0, 1.25, 1.5, 2.0]),
 }
+# Fine-tuning: a GPT pretrained in the lab, then full, LoRA and QLoRA on labkit's own source; the batch.
+# micro_batch x accum rows per pretraining step: the two batch sizes of the noise scale; ft_*: fine-tuning.
+# LoRA's adapters take a higher learning rate than full fine-tuning's weights (here 5x, from a sweep).
+_FT = dict(seed=0, micro_batch=4, accum=4, ft_batch=16, calc_rank=16, scenario_model="llama2-70b",
+           scenario_device="a100-80gb", scenario_devices=8, scenario_rank=16, rank_counts=[1, 2, 4, 8, 16, 32, 64])
+_FT_CPU = dict(**_FT, device="cpu", n_layer=2, n_head=2, n_embd=64, block_size=64, pretrain_lr=3e-3, full_lr=2e-3,
+               lora_lr=1e-2, accum_lr=1e-3)
+PROFILES["finetuning"] = {
+    "cpu": dict(**_FT_CPU, pretrain_steps=300,
+                noise_window=50, ft_steps=100, ranks=[2, 8, 32], qlora_rank=8, eval_batches=8, sample_tokens=240,
+                accum_batch=32, accums=[1, 2, 4, 8], accum_steps=10, sweep_batches=[2, 8, 32],
+                sweep_lrs=[5e-4, 1e-3, 2e-3, 4e-3, 8e-3], sweep_steps=60),
+    "ci": dict(**_FT_CPU, pretrain_steps=150,
+               noise_window=25, ft_steps=50, ranks=[2, 8, 32], qlora_rank=8, eval_batches=4, sample_tokens=120,
+               accum_batch=16, accums=[1, 2, 4], accum_steps=5, sweep_batches=[2, 16],
+               sweep_lrs=[5e-4, 1e-3, 2e-3, 4e-3, 8e-3], sweep_steps=25),
+    # GPT-2 small's shape at context 1024 on one GPU; QLoRA's 4-bit base on CUDA through bitsandbytes.
+    "gpu": dict(**_FT, device="cuda", n_layer=12, n_head=12, n_embd=768, block_size=1024, pretrain_lr=6e-4,
+                full_lr=3e-4, lora_lr=1.5e-3, accum_lr=6e-4, pretrain_steps=500,
+                noise_window=50, ft_steps=200, ranks=[4, 16, 64], qlora_rank=16, eval_batches=8, sample_tokens=240,
+                accum_batch=32, accums=[1, 2, 4, 8], accum_steps=10, sweep_batches=[4, 16, 64],
+                sweep_lrs=[1e-4, 2e-4, 4e-4, 8e-4, 1.6e-3], sweep_steps=100),
+}
 # Pure arithmetic: no profile changes what it computes, but every lab answers to the same names.
 PROFILES["strategy_cost"]["ci"] = PROFILES["strategy_cost"]["gpu"] = PROFILES["strategy_cost"]["cpu"]
 # Fault tolerance: a torchrun job killed and preempted on purpose, checkpoint costs, the $18,000 run.
@@ -208,4 +231,6 @@ GPU_CHECK: dict[str, dict] = {
     "fault_tolerance": dict(steps=40, save_every=10, bench_repeats=2, naive_trials=10),
     "communication": dict(max_bytes=16 << 20, steps=4, diag_steps=4),
     "long_context_experts": dict(steps=4, moe_steps=20),
+    "finetuning": dict(pretrain_steps=20, noise_window=5, ft_steps=5, accum_steps=3, sweep_steps=5,
+                       sweep_lrs=[2e-4, 4e-4, 8e-4], sample_tokens=20, eval_batches=2),
 }

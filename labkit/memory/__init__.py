@@ -7,7 +7,9 @@
 * :mod:`labkit.memory.finetune`: full, LoRA and QLoRA fine-tuning's bytes per device by kind.
 * :mod:`labkit.memory.zero_crosscheck`: the ZeRO formula against DeepSpeed's own estimators.
 * :mod:`labkit.memory.probe`: what a live model, optimizer and forward pass really hold;
-  :mod:`labkit.memory.finetune_probe`, the same by kind for full, LoRA and QLoRA fine-tuning.
+  :mod:`labkit.memory.finetune_probe`, the same by kind for full, LoRA and QLoRA fine-tuning;
+  :mod:`labkit.memory.finetune_runs`, the fine-tuning lab's runs side by side and the calculator
+  held against them.
 * :mod:`labkit.memory.deepspeed_states`: DeepSpeed's ZeRO model states, to the byte.
 * :mod:`labkit.memory.recompute`: what activation checkpointing saves and costs, measured.
 

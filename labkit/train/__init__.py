@@ -7,6 +7,8 @@
   model and runs a step of the loop.
 * :mod:`labkit.train.loop`: :func:`train`, the loop; :mod:`labkit.train.resumable`, its checkpoints.
 * :mod:`labkit.train.lr_schedule`: warmup and cosine decay.
+* :mod:`labkit.train.noise_scale`: the gradient noise scale measured while the GPT trains;
+  :mod:`labkit.train.batch_sweeps`, gradient accumulation and learning rate against the batch.
 * :mod:`labkit.train.cli`: ``python -m labkit.train``.
 """
 from labkit.train.config import TrainConfig
