@@ -153,7 +153,7 @@ def test_executed_labs_have_figures_and_no_errors(lab_metrics):
         outputs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]
         assert not [o for o in outputs if o["output_type"] == "error"]
         figures = sum("image/png" in o.get("data", {}) for o in outputs)
-        assert figures >= {"strategy_cost": 1, "activation_checkpointing": 2}.get(name, 3), name
+        assert figures >= {"strategy_cost": 1, "activation_checkpointing": 2, "long_context_experts": 2}.get(name, 3), name
 
 
 def test_unknown_profile_lab_and_override_are_named(tmp_path):
@@ -413,8 +413,11 @@ def test_communication_lab_metrics(lab_metrics):
     assert h["max_loss_diff"] < 1e-5 and h["measured"]["shard"] == h["formula"]["shard"]["payload"]
     assert h["measured"]["replicate"] == h["formula"]["replicate"]["payload"]
     assert rec["comm_hsdp_state_ratio"] == pytest.approx(2.0, rel=1e-3)
-    # the slow run: slower than one process with every cause, faster with none
-    assert rec["comm_diag_first"] < 1 < rec["comm_diag_last"] and rec["comm_mismatch_detected"]
+    # the slow run: slower than one process with every cause; each cause removed makes it faster, and
+    # together by an order of magnitude (whether the last beats one process depends on the free cores)
+    diag = list(m["diagnosis"].values())
+    assert rec["comm_diag_first"] < 1 and diag == sorted(diag) and diag[-1] > 10 * diag[0]
+    assert rec["comm_mismatch_detected"]
 
 
 def test_long_context_experts_lab_metrics(lab_metrics):

@@ -8,7 +8,7 @@ from labkit.labs import record as rec
 
 def test_recorded_values_reach_the_metrics_file_as_json_holds_them(tmp_path, monkeypatch):
     monkeypatch.setattr(rec, "GLUED", {})
-    assert rec.record("speedup", np.float64(1.5)) == 1.5
+    assert rec.record("speedup", np.float64(1.5)) == 1.5 and type(rec.GLUED["speedup"]) is float  # no np.float64 repr
     rec.record("ranks", [np.int64(2), 3])
     rec.record("nothing", float("nan"))
     rec.record("by_rank", {"0": 1.0, "1": [2, 3]})

@@ -100,7 +100,7 @@ def test_deepspeed_zero3_gathers_parameters_twice_and_reduce_scatters_once(deeps
 
 
 def test_unknown_strategy_lists_the_valid_ones():
-    with pytest.raises(ValueError, match=r"strategy='zero4' is unknown; valid strategies: .*'fsdp', 'zero1', 'zero2', 'zero3'"):
+    with pytest.raises(ValueError, match=r"strategy='zero4' is unknown; valid strategies: .*'fsdp', 'hsdp', 'zero1', 'zero2', 'zero3'"):
         TrainConfig(strategy="zero4")
 
 

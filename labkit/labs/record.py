@@ -27,7 +27,12 @@ except ImportError:  # no myst-nb: record only
 
 
 def glue(name: str, value: Any, display: bool = True) -> Any:
-    """Store ``value`` under ``name`` for the book (myst-nb's ``glue``) and in :data:`GLUED`; return it."""
+    """Store ``value`` under ``name`` for the book (myst-nb's ``glue``) and in :data:`GLUED`; return it.
+
+    A NumPy scalar is glued as the Python number it holds: NumPy 2 writes its repr as
+    ``np.float64(1.5)``, which the book's ``{glue:text}`key:.1f``` formats cannot read."""
+    if type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        value = value.item()
     GLUED[name] = value
     if _myst_glue is not None:
         _myst_glue(name, value, display=display)

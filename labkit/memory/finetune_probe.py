@@ -32,14 +32,21 @@ KINDS = ("frozen", "trainable", "gradients", "optimizer", "activations")
 
 
 def prepare(base: nn.Module, method: str, r: int = 8, alpha: float = 16.0, impl: str = "scratch",
-            targets=DEFAULT_TARGETS) -> nn.Module:
+            targets=DEFAULT_TARGETS, seed: int = 0) -> nn.Module:
     """A copy of ``base`` ready to fine-tune by ``method``, with this course's LoRA or ``peft``'s.
 
     ``full`` trains everything in the base's dtype; ``lora`` trains adapters over the frozen base
     in its dtype; ``qlora`` stores the targeted linears in NF4 and the rest, adapters included, in bf16.
+    The adapters' random initial values come from ``seed``, not from whatever the global RNG holds.
     """
     one_of("method", method, METHODS, "methods")
     one_of("impl", impl, ("scratch", "peft"), "implementations")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _prepare(base, method, r, alpha, impl, targets)
+
+
+def _prepare(base: nn.Module, method: str, r: int, alpha: float, impl: str, targets) -> nn.Module:
     model = copy.deepcopy(base)
     if method == "full":
         return model.requires_grad_(True)
