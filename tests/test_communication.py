@@ -143,9 +143,14 @@ def test_hsdp_equals_one_process_and_moves_the_formula_on_each_mesh_dimension():
 
 def test_a_slow_link_costs_time_not_correctness():
     base = TrainConfig(strategy="ddp", steps=3, batch_size=4, lr=1e-3, count_comm="none")
-    fast, slow = launch(train_many, [base, replace(base, link_gbps=0.002)], MODEL, world_size=2, quiet=True)[0]
-    assert slow["loss"] == fast["loss"]
+    slow_cfg = replace(base, link_gbps=0.002)
+    fast, slow, late = launch(train_many, [base, slow_cfg, replace(slow_cfg, link_latency_ms=30.0)], MODEL,
+                              world_size=2, quiet=True)[0]
+    assert slow["loss"] == fast["loss"] == late["loss"]
     wire_s = 2 * (2 - 1) / 2 * fast["grad_bytes"] / 0.002e9  # the ring bytes of one step over the link
     assert min(slow["step_time_s"]) >= wire_s
+    assert min(late["step_time_s"]) >= wire_s + 0.030  # and alpha, once per bucket (one bucket at least)
+    with pytest.raises(ValueError, match="link_latency_ms=5 needs link_gbps > 0"):
+        TrainConfig(strategy="ddp", link_latency_ms=5.0)
     with pytest.raises(ValueError, match="link_gbps=1.0 has no effect with strategy='fsdp'"):
         TrainConfig(strategy="fsdp", link_gbps=1.0)

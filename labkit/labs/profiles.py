@@ -148,17 +148,17 @@ PROFILES["communication"] = {
     "cpu": dict(**FP32, device="cpu", world_size=2, ops=_OPS, min_bytes=256, max_bytes=16 << 20, step_factor=4,
                 target_ms=40.0, n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16, steps=4,
                 lr=1e-3, seed=0, bucket_mbs=[0.01, 0.25, 25.0], accum=4, hsdp_world=4, replicas=2,
-                slow_rows=1, fast_rows=8, input_delay_ms=30.0, slow_link_gbps=0.02, diag_steps=8),
+                slow_rows=1, fast_rows=8, input_delay_ms=30.0, slow_link_gbps=0.02, slow_link_ms=2.0, diag_steps=8),
     "ci": dict(**FP32, device="cpu", world_size=2, ops=_OPS, min_bytes=256, max_bytes=4 << 20, step_factor=4,
                target_ms=20.0, n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=8, steps=4,
                lr=1e-3, seed=0, bucket_mbs=[0.01, 0.25, 25.0], accum=4, hsdp_world=4, replicas=2,
-               slow_rows=1, fast_rows=4, input_delay_ms=20.0, slow_link_gbps=0.02, diag_steps=5),
+               slow_rows=1, fast_rows=4, input_delay_ms=20.0, slow_link_gbps=0.02, slow_link_ms=2.0, diag_steps=5),
     # GPT-2 small's shape on every GPU of a node; messages up to 256 MB, as nccl-tests runs them.
     "gpu": dict(**BF16_TF32, device="cuda", world_size="all", ops=_OPS, min_bytes=256, max_bytes=256 << 20,
                 step_factor=4, target_ms=50.0, n_layer=12, n_head=12, n_embd=768, block_size=1024,
                 batch_size="8 per rank", steps=6, lr=6e-4, seed=0, bucket_mbs=[0.25, 5.0, 25.0], accum=4,
                 hsdp_world=4, replicas=2, slow_rows=1, fast_rows=8, input_delay_ms=100.0, slow_link_gbps=1.0,
-                diag_steps=8),
+                slow_link_ms=0.05, diag_steps=8),
 }
 # Long sequences and many experts: context parallelism and a mixture of experts, each against one process.
 _LCE = dict(attn_heads=4, attn_head_dim=16, top_k=2, aux_weight=0.01, ep_capacity_factor=4.0, seed=0)

@@ -48,6 +48,8 @@ class TrainConfig:
     fsdp_bf16: bool = _f(False, "strategy", "fsdp: bf16 parameters for compute, fp32 shards and reductions")
     link_gbps: float = _f(0.0, "strategy", "ddp: emulate a slower link, each bucket's all-reduce held back for its "
                           "ring bytes over this many GB/s (0: the real link)")
+    link_latency_ms: float = _f(0.0, "strategy", "ddp, with --link-gbps: the emulated link's fixed cost per "
+                                "message (its alpha), paid by every bucket")
     replicas: int = _f(2, "strategy", "hsdp: replicas of the model, each sharded over world/replicas ranks (FSDP2 "
                        "on a replicate x shard mesh)")
     sync_each_microbatch: bool = _f(False, "strategy", "ddp, dp_naive, dp_bucketed, fsdp, hsdp: synchronise "
@@ -132,6 +134,9 @@ class TrainConfig:
         positive_number("bucket_cap_mb", self.bucket_cap_mb)
         non_negative_number("weight_decay", self.weight_decay)
         non_negative_number("link_gbps", self.link_gbps)
+        non_negative_number("link_latency_ms", self.link_latency_ms)
+        if self.link_latency_ms and not self.link_gbps:
+            raise ValueError(f"link_latency_ms={self.link_latency_ms:g} needs link_gbps > 0 (the emulated link)")
         non_negative_number("input_delay_ms", self.input_delay_ms)
         non_negative_number("grad_clip", self.grad_clip)
         one_of("pp_schedule", self.pp_schedule, PP_SCHEDULES, "pipeline schedules")

@@ -223,7 +223,7 @@ class DDPPlan(Plan):
         if self.cfg.link_gbps:
             from labkit.comm.slow_link import slow_link_hook
 
-            ddp.register_comm_hook(None, slow_link_hook(self.cfg.link_gbps))
+            ddp.register_comm_hook(None, slow_link_hook(self.cfg.link_gbps, self.cfg.link_latency_ms))
         return ddp
 
     def no_sync(self, last: bool) -> ContextManager:

@@ -60,7 +60,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("single", "one process, no wrapper: the reference every parallel run is held against",
              "nothing", 0, 0.0, MoEPlan, moe=True),
     Strategy("ddp", "torch DistributedDataParallel: bucketed all-reduce of gradients under backward",
-             "nothing (the batch)", 0, 2.0, DDPPlan, options=("bucket_cap_mb", _SYNC, "link_gbps")),
+             "nothing (the batch)", 0, 2.0, DDPPlan, options=("bucket_cap_mb", _SYNC, "link_gbps", "link_latency_ms")),
     Strategy("dp_naive", "data parallel by hand: one all-reduce per gradient after backward",
              "nothing (the batch)", 0, 2.0, NaivePlan, options=(_SYNC,), teaching=True),
     Strategy("dp_bucketed", "data parallel by hand: DDP's buckets, launched as soon as they are full",
