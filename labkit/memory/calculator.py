@@ -152,8 +152,24 @@ def model_shape(model) -> ModelShape:
     return MODELS[model]
 
 
+class DeviceBudget:
+    """What an estimate with a ``total`` and the ``device_bytes`` it must fit in says about fitting."""
+
+    total: int
+    device_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.device_bytes
+
+    @property
+    def margin(self) -> int:
+        """Bytes to spare (positive) or missing (negative) on each device."""
+        return self.device_bytes - self.total
+
+
 @dataclass(frozen=True)
-class MemoryEstimate:
+class MemoryEstimate(DeviceBudget):
     """Per-device bytes of one training configuration, and whether it fits."""
 
     model: str
@@ -175,15 +191,6 @@ class MemoryEstimate:
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.activations + self.head
-
-    @property
-    def fits(self) -> bool:
-        return self.total <= self.device_bytes
-
-    @property
-    def margin(self) -> int:
-        """Bytes to spare (positive) or missing (negative) on each device."""
-        return self.device_bytes - self.total
 
     def to_dict(self) -> dict:
         return {**asdict(self), "total": self.total, "fits": self.fits, "margin": self.margin}

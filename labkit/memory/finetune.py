@@ -36,7 +36,7 @@ from fractions import Fraction
 
 from labkit.core.checks import one_of, positive_int
 from labkit.memory.architecture import ModelShape, linear_layers
-from labkit.memory.calculator import BYTES_PER_PARAM, estimate_memory, model_shape
+from labkit.memory.calculator import BYTES_PER_PARAM, DeviceBudget, estimate_memory, model_shape
 
 FINETUNE = ("full", "lora", "qlora")
 TRAINED_BYTES = {**BYTES_PER_PARAM, "bf16_adam32": (2, 2, 8)}  # (weights, gradients, optimizer) per parameter
@@ -111,7 +111,7 @@ def _lora_activation_bytes(shape: ModelShape, rank: int, targets, s: int, b: int
 
 
 @dataclass(frozen=True)
-class FinetuneEstimate:
+class FinetuneEstimate(DeviceBudget):
     """Per-device bytes of one fine-tuning configuration, by kind, and whether it fits."""
 
     model: str
@@ -136,14 +136,6 @@ class FinetuneEstimate:
     @property
     def total(self) -> int:
         return sum(getattr(self, k) for k in self.KINDS)
-
-    @property
-    def fits(self) -> bool:
-        return self.total <= self.device_bytes
-
-    @property
-    def margin(self) -> int:
-        return self.device_bytes - self.total
 
     def bytes_by_kind(self) -> dict:
         return {k: getattr(self, k) for k in self.KINDS}

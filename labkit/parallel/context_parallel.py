@@ -78,6 +78,14 @@ def _count(stats: dict | None, rows: Tensor, cols: Tensor, mask: Tensor | None) 
         stats["visible"] = stats.get("visible", 0) + (len(rows) * len(cols) if mask is None else int(mask.sum()))
 
 
+def _on_device(blk: tuple, kv: Tensor, device: torch.device) -> tuple:
+    """A visible block's query rows, key columns and mask on ``device``, and its K and V in fp32."""
+    rows, cols = (i.to(device) for i in blk[:2])
+    mask = None if blk[2] is None else blk[2].to(device)
+    kb, vb = (kv[i].index_select(2, cols).float() for i in (0, 1))
+    return rows, cols, mask, kb, vb
+
+
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None, causal: bool, layout: str,
                   stats: dict | None) -> tuple[Tensor, Tensor]:
     """Output (fp32) and log-sum-exp of this rank's queries against every rank's keys."""
@@ -90,9 +98,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | No
     for step in range(C):
         blk = visible_block(q_pos, cp_positions(L * C, C, (rank - step) % C, layout), causal)
         if blk is not None:
-            rows, cols = (i.to(q.device) for i in blk[:2])
-            mask = None if blk[2] is None else blk[2].to(q.device)
-            kb, vb = (kv[i].index_select(2, cols).float() for i in (0, 1))
+            rows, cols, mask, kb, vb = _on_device(blk, kv, q.device)
             o_b, lse_b = _block_forward(qf.index_select(2, rows), kb, vb, mask, scale)
             old_o, old_lse = out.index_select(2, rows), lse.index_select(2, rows)
             new = torch.logaddexp(old_lse, lse_b)
@@ -119,9 +125,7 @@ def _ring_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, do
     for step in range(C):
         blk = visible_block(q_pos, cp_positions(L * C, C, (rank - step) % C, layout), causal)
         if blk is not None:
-            rows, cols = (i.to(q.device) for i in blk[:2])
-            mask = None if blk[2] is None else blk[2].to(q.device)
-            kb, vb = (kv[i].index_select(2, cols).float() for i in (0, 1))
+            rows, cols, mask, kb, vb = _on_device(blk, kv, q.device)
             dq_b, dk_b, dv_b = _block_backward(qf.index_select(2, rows), kb, vb, do.index_select(2, rows),
                                                lse.index_select(2, rows), delta.index_select(2, rows), mask, scale)
             dq.index_add_(2, rows, dq_b)

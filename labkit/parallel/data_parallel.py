@@ -32,21 +32,31 @@ def _broadcast_from_rank0(module: nn.Module) -> None:
         dist.broadcast(t.data, src=0)
 
 
-class NaiveDataParallel(nn.Module):
-    """All-reduce each gradient after backward; call :meth:`finish_gradient_sync` before the step."""
+class SyncOnRequest(nn.Module):
+    """A wrapper whose gradients are synchronised only when the loop calls ``finish_gradient_sync``
+    (after the last micro-batch), so accumulation has nothing to skip."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.module = module
-        _broadcast_from_rank0(module)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Gradient accumulation: nothing to skip, the sync happens only in :meth:`finish_gradient_sync`."""
         yield
+
+    def finish_gradient_sync(self) -> None:
+        raise NotImplementedError
+
+
+class NaiveDataParallel(SyncOnRequest):
+    """All-reduce each gradient after backward; call :meth:`finish_gradient_sync` before the step."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(module)
+        _broadcast_from_rank0(module)
 
     def finish_gradient_sync(self) -> None:
         world = dist.get_world_size()

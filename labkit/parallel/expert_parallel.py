@@ -36,6 +36,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from labkit.core.checks import positive_int
 from labkit.core.moe import MoEMLP, Placement
+from labkit.parallel.data_parallel import SyncOnRequest
 
 _RECORDS: list[dict] = []  # open record_all_to_all() logs
 
@@ -146,13 +147,13 @@ class ExpertParallelPlacement(Placement):
         return self.a2a(y[torch.argsort(perm)], in_splits, out_splits, group)
 
 
-class ExpertParallel(nn.Module):
+class ExpertParallel(SyncOnRequest):
     """Wrap a GPT with MoE blocks for expert parallelism over ``ep`` ranks, data parallel over the
     rest. Each rank keeps its experts only; call :meth:`finish_gradient_sync` after backward."""
 
     def __init__(self, module: nn.Module, ep: int, a2a=None) -> None:
-        super().__init__()
-        self.module, self.groups = module, make_groups(ep)
+        super().__init__(module)
+        self.groups = make_groups(ep)
         for block in self.moe_blocks():
             block.placement = place = ExpertParallelPlacement(self.groups, block.n_experts, a2a)
             for e in range(block.n_experts):
@@ -171,14 +172,6 @@ class ExpertParallel(nn.Module):
 
     def expert_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if id(p) in self.expert_params]
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Gradient accumulation: nothing to skip, gradients are synchronised only on request."""
-        yield
 
     def finish_gradient_sync(self) -> None:
         """Every gradient becomes (sum over the ranks' contributions) / world: non-expert ones summed
