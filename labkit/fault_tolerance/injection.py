@@ -10,7 +10,10 @@ with 75, and when the agent itself was stopped, the job is "requeued": started a
 ``scontrol requeue`` would.
 
 torchrun runs with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: restarted gloo workers otherwise reach
-the previous generation's store and fail or hang (pytorch/pytorch#135712, #167288).
+the previous generation's store and fail or hang (pytorch/pytorch#135712, #167288). The price: the
+agent then picks the workers' port by binding port 0 and closing it, and another process can take
+that port before rank 0 binds it again (EADDRINUSE at start-up). Give ``max_restarts`` one restart
+more than the faults need: a group that failed that way restarts before it restores anything.
 """
 from __future__ import annotations
 
