@@ -23,6 +23,7 @@ from pathlib import Path
 import jupytext
 import nbformat
 import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from labkit.labs import LABS_DIR
 from labkit.labs.assignments import COURSE_DIR, generate
@@ -188,6 +189,16 @@ def _answer(source_nb: Path) -> str:
     return re.sub(r"^\s*### (BEGIN|END) SOLUTION\n", "", cell.source, flags=re.M)
 
 
+def _keep_browser_copy(page) -> bool:
+    """Our save and the Validate button's own save can cross (seen once in CI): JupyterLab then asks
+    whether the file "has changed on disk", and queues nbgrader's result behind that question. The
+    copy in the browser is the one to validate."""
+    if not page.locator(".jp-Dialog", has_text="has changed on disk").count():
+        return False
+    page.locator(".jp-Dialog").get_by_role("button", name="Overwrite").click()
+    return True
+
+
 def _validate(page, panel, jupyterlab, timeout_s: float = 240) -> str:
     """Save, press Validate, and return the text of nbgrader's result dialog.
 
@@ -199,14 +210,24 @@ def _validate(page, panel, jupyterlab, timeout_s: float = 240) -> str:
     tab = page.locator(".lm-TabBar-tab.lm-mod-current")
     deadline = time.monotonic() + 60
     while "jp-mod-dirty" in (tab.first.get_attribute("class") or "") and time.monotonic() < deadline:
+        _keep_browser_copy(page)
         time.sleep(0.2)
     button = panel.locator(".jp-NotebookPanel-toolbar").get_by_text("Validate", exact=True)
-    button.click()
+    while True:  # a question about the file on disk may block the button
+        _keep_browser_copy(page)
+        try:
+            button.click(timeout=2_000)
+            break
+        except PlaywrightTimeout:
+            if time.monotonic() > deadline:
+                raise
     labels = panel.locator(".jp-NotebookPanel-toolbar .jp-ToolbarButtonComponent-label")
     deadline = time.monotonic() + timeout_s
     texts: list[str] = []
     while time.monotonic() < deadline:
         texts = [t for t in page.locator(".jp-Dialog").all_inner_texts() if t.strip()]
+        if _keep_browser_copy(page):
+            continue
         busy = any(t.strip() in ("Saving...", "Validating...") for t in labels.all_inner_texts())
         if not busy and any(re.search("Success|failed|Error", t, re.I) for t in texts):
             return "\n".join(texts)
