@@ -416,11 +416,11 @@ def test_communication_lab_metrics(lab_metrics):
     assert h["max_loss_diff"] < 1e-5 and h["measured"]["shard"] == h["formula"]["shard"]["payload"]
     assert h["measured"]["replicate"] == h["formula"]["replicate"]["payload"]
     assert rec["comm_hsdp_state_ratio"] == pytest.approx(2.0, rel=1e-3)
-    # the slow run: slower than one process with every cause, several times faster with none. Not
+    # the slow run: slower than one process with every cause, ten times faster with none. Not
     # each row against the next: the lab runs while another test file uses the other core, and a
     # single row's gain (tens of per cent) is within that noise; a benchmark's job, not a test's.
     diag = list(m["diagnosis"].values())
-    assert rec["comm_diag_first"] < 1 and diag[-1] > 5 * diag[0]
+    assert rec["comm_diag_first"] < 1 and diag[-1] > 10 * diag[0]
     assert rec["comm_mismatch_detected"]
 
 
