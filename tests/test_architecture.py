@@ -97,3 +97,57 @@ def test_the_names_the_book_teaches_stay_importable(module):
 
     mod = importlib.import_module(module)
     assert all(callable(getattr(mod, name)) for name in TAUGHT[module]), module
+
+
+# The one object that owns a run's layout builds every parallelism's group; core.devices.side_group is
+# the one side channel (an async checkpoint's, a debugging wrapper's), over every rank.
+GROUP_BUILDERS = {"new_group", "init_device_mesh", "new_subgroups", "new_subgroups_by_enumeration", "DeviceMesh",
+                  "_unflatten", "_flatten", "split_group"}
+
+
+def test_only_the_mesh_builds_process_groups():
+    allowed = {LABKIT / "parallel" / "mesh.py", LABKIT / "core" / "devices.py"}
+    for path in _modules():
+        calls = {node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                 for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)}
+        assert path in allowed or not calls & GROUP_BUILDERS, (path.name, calls & GROUP_BUILDERS)
+
+
+def _imports_of(path: Path, package: str) -> set[str]:
+    """Every labkit module ``path`` imports, at the top, inside functions or for type checking only."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("labkit"):
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("labkit")}
+    return {m for m in out if m.startswith(package + ".")}
+
+
+def test_the_training_package_is_a_dag_even_for_type_only_imports():
+    """labkit.train's modules import each other without a cycle, counting the imports made for type
+    checking and inside functions too: the strategy records below the config, the plans above both."""
+    package = "labkit.train"
+    modules = {f"{package}.{p.stem}": p for p in (LABKIT / "train").glob("*.py") if p.stem != "__init__"}
+    graph = {m: {d for d in _imports_of(p, package) if d in modules and d != m} for m, p in modules.items()}
+    seen, done = set(), set()
+
+    def visit(m, path):
+        assert m not in seen or m in done, " -> ".join(path + [m])
+        if m in done:
+            return
+        seen.add(m)
+        for d in sorted(graph[m]):
+            visit(d, path + [m])
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m, [])
+
+
+def test_no_plan_branches_on_a_strategy_name():
+    for path in [*(LABKIT / "train").glob("*.py"), *(LABKIT / "parallel").glob("*.py")]:
+        code = path.read_text()
+        assert not re.search(r"(spec|strategy|self\.spec)\.name\s*(==|!=|in)", code), path.name
+        assert not re.search(r"cfg\.strategy\s*(==|!=|in)", code), path.name

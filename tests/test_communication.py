@@ -16,7 +16,7 @@ from labkit.core.model import GPTConfig
 from labkit.fault_tolerance.injection import torchrun_command
 from labkit.launch import RankError, launch
 from labkit.train import TrainConfig, train, train_many
-from labkit.train.hsdp_plan import hsdp_formula
+from labkit.parallel.fsdp import hsdp_formula
 
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 MODEL = GPTConfig(block_size=16)
@@ -77,7 +77,8 @@ def test_the_fit_recovers_alpha_and_beta_and_measures_its_own_error():
     noisy = alpha_beta.fit(s, noisy_t)
     # The stated error: within the noise put in (+-25%) at every size, when the model holds
     assert alpha_beta.relative_errors(noisy, s, noisy_t).max() < 0.25
-    assert alpha_beta.fit([1e3, 1e6], [1e-3, 1e-3]).beta_s_per_byte == 0.0  # flat: latency alone, not negative
+    flat = alpha_beta.fit([1e3, 1e6], [1e-3, 1e-3]).beta_s_per_byte  # latency alone, never negative
+    assert 0.0 <= flat < 1e-20  # (LAPACK leaves 0 or a last-bit residue such as 2e-26, by machine)
     assert alpha_beta.fit([1e3, 1e6], [1e-6, 1e-3]).alpha_s == pytest.approx(0.0, abs=1e-12)
     with pytest.raises(ValueError, match="need at least two"):
         alpha_beta.fit([1], [1])
@@ -128,7 +129,9 @@ def test_hsdp_equals_one_process_and_moves_the_formula_on_each_mesh_dimension():
     f = hsdp_formula(plain["grad_bytes"], 4, 2)
     for rank in plain["ranks"]:
         dims = rank["comm_bytes_by_mesh_dim_per_step"][-1]
-        assert sum(dims["shard"].values()) == f["shard"]["payload"]  # all-gathers 2 Psi + reduce-scatter Psi
+        shard = dims["shard"]  # all-gathers 2 Psi + reduce-scatter Psi; clipping's 4-byte norm all-reduce too
+        assert shard["allgather_base"] + shard["reduce_scatter_base"] == f["shard"]["payload"]
+        assert shard.get("allreduce", 0) == 4
         assert dims["replicate"] == {"allreduce": f["replicate"]["payload"]}  # Psi / S across the replicas
         assert rank["model_state_bytes"]["params"] == plain["predicted_model_state_bytes"]["params"]
     # Accumulating two micro-batches: gathers for each, gradients reduced once; or twice when asked

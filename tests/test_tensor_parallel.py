@@ -8,9 +8,8 @@ import torch
 import tp_pp_fns
 from tp_pp_fns import one_thread
 from labkit.launch import launch
-from labkit.core.model import GPT, GPTConfig
-from labkit.parallel.tensor_parallel import (check_tp, comm_bytes_per_layer, params_per_rank, qkv_from_rank_major,
-                                             qkv_to_rank_major)
+from labkit.core.model import GPT, GPTConfig, build_model
+from labkit.parallel.tensor_parallel import check_tp, comm_bytes_per_layer, params_per_rank
 from labkit.train import TrainConfig, train
 
 MODEL = GPTConfig(block_size=32, n_head=4)
@@ -151,13 +150,30 @@ def test_f_and_g_operators_against_dtensor_and_the_whole_layer(suite):
         assert r["whole"]["fwd"] == r["whole"]["bwd"] == {}
 
 
-def test_qkv_rows_are_grouped_by_rank_and_back():
-    w = torch.arange(3 * 8 * 2).reshape(24, 2)  # Q, K, V of 8 rows each
-    r = qkv_to_rank_major(w, 2)
-    # rank 0's contiguous half: Q rows 0-3, K rows 8-11, V rows 16-19
-    assert r[:12, 0].tolist() == [2 * i for i in [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19]]
-    assert torch.equal(qkv_from_rank_major(r, 2), w)
-    assert torch.equal(qkv_to_rank_major(w, 1), w)
+def test_a_contiguous_block_of_qkv_rows_is_whole_heads():
+    """The fused QKV matrix is head-major (Megatron-LM's layout): the attention of the first t-th of its
+    rows (and of the output projection's columns) is exactly the first n_head/t heads' share of the output,
+    so ColwiseParallel's contiguous shards need no permutation and a checkpoint stores one layout."""
+    torch.manual_seed(0)
+    attn = build_model(MODEL).blocks[0].attn
+    x = torch.randn(2, 8, MODEL.n_embd)
+    full = attn(x)
+    C, half = MODEL.n_embd, MODEL.n_embd // 2
+    parts = []
+    for r in range(2):
+        sub = build_model(MODEL).blocks[0].attn
+        with torch.no_grad():
+            sub.qkv.weight.copy_(attn.qkv.weight), sub.proj.weight.copy_(attn.proj.weight)
+            sub.qkv.bias.copy_(attn.qkv.bias), sub.proj.bias.zero_()
+        sub.qkv = torch.nn.Linear(C, 3 * half)
+        with torch.no_grad():
+            sub.qkv.weight.copy_(attn.qkv.weight[r * 3 * half:(r + 1) * 3 * half])
+            sub.qkv.bias.copy_(attn.qkv.bias[r * 3 * half:(r + 1) * 3 * half])
+        sub.proj = torch.nn.Linear(half, C, bias=False)
+        with torch.no_grad():
+            sub.proj.weight.copy_(attn.proj.weight[:, r * half:(r + 1) * half])
+        parts.append(sub(x))
+    torch.testing.assert_close(parts[0] + parts[1] + attn.proj.bias, full, rtol=0, atol=1e-6)
 
 
 def test_bad_tensor_parallel_degrees_are_clear_errors():

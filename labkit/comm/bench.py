@@ -182,11 +182,11 @@ def mismatched_collective(timeout_s: float = 30.0) -> str:
     elements, the others 8, on a new group whose collectives the debug wrapper checks (PyTorch docs,
     "Debugging torch.distributed applications"). Without it the ranks would hang until the timeout
     or read garbage; with it each raises at once. Returns this rank's error message."""
-    import datetime
+    from labkit.core.devices import side_group
 
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     dist.set_debug_level_from_env()  # the level is read when a group is made: this one gets the wrapper
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    group = side_group(timeout_s)
     try:
         dist.all_reduce(torch.ones(4 if dist.get_rank() == 0 else 8), group=group)
     except RuntimeError as e:

@@ -71,6 +71,16 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def side_group(timeout_s: float | None = None) -> dist.ProcessGroup:
+    """A second gloo group over every rank, for traffic that must not interleave with training's
+    collectives: an async checkpoint's, a debugging wrapper's. Every rank must call it, in the same
+    order (the parallelisms' groups come from :class:`labkit.parallel.mesh.ParallelDims`)."""
+    import datetime
+
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+    return dist.new_group(backend="gloo", **({"timeout": timeout} if timeout else {}))
+
+
 def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     """Every rank's ``obj``, indexed by rank (``[obj]`` without a process group); a collective."""
     if not (dist.is_available() and dist.is_initialized()):

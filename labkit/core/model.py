@@ -59,11 +59,17 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention (Vaswani et al. 2017), fused QKV projection."""
+    """Multi-head causal self-attention (Vaswani et al. 2017), fused QKV projection.
+
+    The fused matrix is stored head-major, as Megatron-LM stores it: its output features are
+    ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``, one ``3 x head_dim`` group per head. Cut into contiguous
+    row blocks (what tensor parallelism does), each block is whole heads with their Q, K and V, and the
+    forward infers how many heads it holds from the width it gets.
+    """
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
+        self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
@@ -72,10 +78,10 @@ class CausalSelfAttention(nn.Module):
         self.attend = None
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        # (B, T, C) -> (B, heads, T, head_dim)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # (B, T, heads x 3 x head_dim) -> three (B, heads, T, head_dim); heads: those this rank holds
+        qkv = self.qkv(x).view(B, T, -1, 3, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))
         if self.attend is not None:
             y = self.attend(q, k, v)
         else:  # is_causal=True lets SDPA pick its fused causal kernels; a packed batch brings its own mask
@@ -83,7 +89,7 @@ class CausalSelfAttention(nn.Module):
                 q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
                 dropout_p=self.dropout if self.training else 0.0,
             )
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -124,6 +130,9 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.wte.weight  # weight tying: one tensor, two uses
         self.aux_loss: torch.Tensor | None = None  # the last forward's weighted MoE loss (detached)
+        # A strategy may fix the positions of the tokens this rank holds: context parallelism gives a
+        # rank zig-zag chunks of every sequence, not its first tokens. None: 0, 1, ..., T-1.
+        self.positions: torch.Tensor | None = None
         self.apply(self._init_weights)
         # GPT-2's scaled init of residual projections keeps the residual stream's variance flat.
         for name, p in self.named_parameters():
@@ -171,7 +180,8 @@ class GPT(nn.Module):
         for name, t in (("position_ids", position_ids), ("doc_ids", doc_ids)):
             if t is not None and t.shape != idx.shape:
                 raise ValueError(f"{name} must have the shape of idx {tuple(idx.shape)}, got {tuple(t.shape)}")
-        pos = torch.arange(T, device=idx.device) if position_ids is None else position_ids
+        pos = position_ids if position_ids is not None else (
+            self.positions if self.positions is not None else torch.arange(T, device=idx.device))
         mask = None
         if doc_ids is not None:
             causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
@@ -199,3 +209,10 @@ def build_model(cfg: GPTConfig | None = None, seed: int = 0) -> GPT:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return GPT(cfg)
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a GPT (``blocks``, a ModuleList) or of a part of one (a pipeline
+    stage keeps them in a ModuleDict under their GPT indices), in order."""
+    blocks = model.blocks
+    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)

@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from labkit.core.checks import non_negative_int, one_of, positive_int
+from labkit.core.devices import side_group
 from labkit.fault_tolerance import directory as ckdir
 from labkit.fault_tolerance import loading
 from labkit.fault_tolerance.directory import LATEST, MANIFEST  # noqa: F401 - part of this module's names
@@ -81,7 +82,7 @@ class Checkpointer:
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.dist else (0, 1)
         # Checkpoint collectives get their own gloo group: on the training group an async save's
         # collectives would interleave with the loop's (a hang; NOTES.md), and gloo moves CPU objects.
-        self.pg = dist.new_group(backend="gloo") if self.dist else None
+        self.pg = side_group() if self.dist else None
         err = None
         if self.rank == 0 and not readonly:
             try:  # one writer at a time; then what saves or deletions killed half-way left behind

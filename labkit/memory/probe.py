@@ -148,22 +148,20 @@ def fake_fsdp_memory(cfg, world_size: int = 8, micro_batch: int = 1) -> dict[str
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from labkit.core.model import GPT
+    from labkit.parallel.fsdp import apply_fsdp
+    from labkit.parallel.mesh import Degrees, ParallelDims
 
     if dist.is_initialized():
         raise RuntimeError("fake_fsdp_memory needs a process without a process group")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        mesh = init_device_mesh("cpu", (world_size,))  # outside the fake mode, or it fails
+        mesh = ParallelDims(Degrees(dp_shard=world_size)).dp_mesh()  # outside the fake mode, or it fails
         with FakeTensorMode():
             model = GPT(cfg)
-            for block in model.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+            apply_fsdp([model], mesh)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.block_size))
             tracker = FSDPMemTracker(model, opt)

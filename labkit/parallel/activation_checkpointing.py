@@ -107,10 +107,12 @@ def apply(model: nn.Module, policy: str, backend: str = "torch") -> nn.Module:
     if backend not in ("torch", "deepspeed"):
         raise ValueError(f"backend={backend!r} is unknown; valid backends: ['torch', 'deepspeed']")
     ds_checkpoint = _deepspeed_checkpoint(kind) if backend == "deepspeed" and kind != "none" else None
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList):
-        raise TypeError("apply() needs a model with its transformer blocks in `.blocks` (an nn.ModuleList)")
-    for i, block in enumerate(blocks):
+    if not isinstance(getattr(model, "blocks", None), (nn.ModuleList, nn.ModuleDict)):
+        raise TypeError("apply() needs a model with its transformer blocks in `.blocks` (an nn.ModuleList, or a "
+                        "pipeline stage's nn.ModuleDict)")
+    blocks = model.blocks  # a stage's ModuleDict is keyed by the GPT's block index: "every:k" counts those
+    indexed = ((int(k), b) for k, b in blocks.items()) if isinstance(blocks, nn.ModuleDict) else enumerate(blocks)
+    for i, block in indexed:
         if getattr(block, "_labkit_checkpoint", None):
             raise RuntimeError(f"block {i} is already checkpointed ({block._labkit_checkpoint!r})")
         if kind == "none" or (kind == "every" and i % k):

@@ -25,10 +25,11 @@ from labkit.parallel.cp_layout import zigzag_shard
 def _torch_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
               positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """PyTorch's context parallelism on these full tensors: (this rank's output, dq, dk, dv, its positions)."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
 
-    mesh = init_device_mesh(q.device.type, (dist.get_world_size(),))
+    from labkit.parallel.mesh import Degrees, ParallelDims
+
+    mesh = ParallelDims(Degrees(cp=dist.get_world_size()), q.device.type).submesh("cp")
     bufs = [t.detach().clone() for t in (q, k, v, g)] + [positions.clone()]
     with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2, 2, 0]):
         ql, kl, vl = (t.clone().requires_grad_() for t in bufs[:3])  # sharded buffers cannot require grad

@@ -143,11 +143,13 @@ class BucketedDataParallel(nn.Module):
         self._pending = [len(b) for b in self.buckets]
 
 
-def wrap_ddp(model: nn.Module, device: torch.device, bucket_cap_mb: float = 25.0) -> DistributedDataParallel:
-    """``torch.nn.parallel.DistributedDataParallel`` (PyTorch docs, "DistributedDataParallel") with its
-    gradient buckets settled before the first step (:func:`prime_buckets`)."""
+def wrap_ddp(model: nn.Module, device: torch.device, bucket_cap_mb: float = 25.0,
+             group: dist.ProcessGroup | None = None) -> DistributedDataParallel:
+    """``torch.nn.parallel.DistributedDataParallel`` (PyTorch docs, "DistributedDataParallel") over
+    ``group`` (default: every rank) with its gradient buckets settled before the first step
+    (:func:`prime_buckets`)."""
     ids = [device.index] if device.type == "cuda" else None
-    ddp = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb)
+    ddp = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb, process_group=group)
     prime_buckets(ddp, device)
     return ddp
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
@@ -37,6 +36,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from labkit.core.checks import positive_int
 from labkit.core.moe import MoEMLP, Placement
 from labkit.parallel.data_parallel import SyncOnRequest
+from labkit.parallel.mesh import Degrees, ParallelDims
 
 _RECORDS: list[dict] = []  # open record_all_to_all() logs
 
@@ -85,51 +85,31 @@ def record_all_to_all() -> Iterator[dict]:
         _RECORDS.remove(log)
 
 
-@dataclass
-class EPGroups:
-    ep: int  # ranks per expert-parallel group
-    ep_rank: int  # this rank's place in its group: which experts it holds
-    ep_group: dist.ProcessGroup  # this rank's expert-parallel group
-    replica_group: dist.ProcessGroup | None  # the ranks holding the same experts (None when dp = 1)
-    replica_ranks: list[int]
-
-
-def make_groups(ep: int) -> EPGroups:
-    """Expert-parallel and replica groups of the running world (a collective: every rank calls it)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    positive_int("ep", ep)
-    if world % ep:
-        raise ValueError(f"ep={ep} must divide the world size {world}")
-    mine_ep = mine_rep = None
-    for g in range(world // ep):  # every rank creates every group, in the same order
-        grp = dist.new_group(list(range(g * ep, (g + 1) * ep))) if ep < world else dist.group.WORLD
-        mine_ep = grp if rank // ep == g else mine_ep
-    replicas = [list(range(i, world, ep)) for i in range(ep)]
-    for i, ranks in enumerate(replicas):
-        grp = dist.new_group(ranks) if len(ranks) > 1 else None
-        mine_rep = grp if rank % ep == i else mine_rep
-    return EPGroups(ep, rank % ep, mine_ep, mine_rep, replicas[rank % ep])
-
-
 class ExpertParallelPlacement(Placement):
-    """A block's experts ``[first, first + local)`` on this rank; the rest on its EP group's ranks."""
+    """A block's experts ``[first, first + local)`` on this rank; the rest on its EP group's ranks.
 
-    def __init__(self, groups: EPGroups, n_experts: int, a2a=None) -> None:
-        if n_experts % groups.ep:
-            raise ValueError(f"ep={groups.ep} must divide the number of experts {n_experts}")
-        self.groups, self.local = groups, n_experts // groups.ep
-        self.first = groups.ep_rank * self.local
+    ``dims``: the run's mesh (:class:`labkit.parallel.mesh.ParallelDims`): the EP group carries the
+    tokens, the token ranks (every rank holding other tokens of this pipeline place and TP place)
+    sum the routing table."""
+
+    def __init__(self, dims: ParallelDims, n_experts: int, a2a=None) -> None:
+        ep = dims.degrees.ep
+        if n_experts % ep:
+            raise ValueError(f"ep={ep} must divide the number of experts {n_experts}")
+        self.dims, self.local = dims, n_experts // ep
+        self.first = dims.coords["ep"] * self.local
         self.a2a = a2a or AllToAll.apply
 
     def shard(self) -> tuple[int, int]:
-        return dist.get_rank(), dist.get_world_size()
+        return self.dims.tokens_rank, self.dims.degrees.tokens
 
     def all_reduce(self, table: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(table)
+        if self.dims.tokens_group is not None:
+            dist.all_reduce(table, group=self.dims.tokens_group)
         return table
 
     def run(self, experts: nn.ModuleDict, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        ep, local, group = self.groups.ep, self.local, self.groups.ep_group
+        ep, local, group = self.dims.degrees.ep, self.local, self.dims.group("ep")
         if ep == 1:  # every expert here: data parallelism with global routing, nothing to send
             return super().run(experts, x, counts)
         send = torch.tensor(counts, dtype=torch.int64, device=x.device)
@@ -147,28 +127,34 @@ class ExpertParallelPlacement(Placement):
         return self.a2a(y[torch.argsort(perm)], in_splits, out_splits, group)
 
 
+def moe_blocks(module: nn.Module) -> list[MoEMLP]:
+    return [m for m in module.modules() if isinstance(m, MoEMLP)]
+
+
+def place_experts(module: nn.Module, dims: ParallelDims, a2a=None) -> set[int]:
+    """Keep only this rank's experts in every MoE block of ``module`` and route through the EP group;
+    the ids of the expert parameters left (their gradients are reduced over other ranks than the rest's)."""
+    for block in moe_blocks(module):
+        block.placement = place = ExpertParallelPlacement(dims, block.n_experts, a2a)
+        for e in range(block.n_experts):
+            if not place.first <= e < place.first + place.local:
+                del block.experts[str(e)]
+    return {id(p) for b in moe_blocks(module) for p in b.experts.parameters()}
+
+
 class ExpertParallel(SyncOnRequest):
     """Wrap a GPT with MoE blocks for expert parallelism over ``ep`` ranks, data parallel over the
-    rest. Each rank keeps its experts only; call :meth:`finish_gradient_sync` after backward."""
+    rest, with the gradients synchronised by hand (the training loop's ``ep`` strategy uses FSDP2 for
+    that instead): call :meth:`finish_gradient_sync` after backward."""
 
     def __init__(self, module: nn.Module, ep: int, a2a=None) -> None:
         super().__init__(module)
-        self.groups = make_groups(ep)
-        for block in self.moe_blocks():
-            block.placement = place = ExpertParallelPlacement(self.groups, block.n_experts, a2a)
-            for e in range(block.n_experts):
-                if not place.first <= e < place.first + place.local:
-                    del block.experts[str(e)]
-        self.expert_params = {id(p) for b in self.moe_blocks() for p in b.experts.parameters()}
-        shared = [p for p in module.parameters() if id(p) not in self.expert_params]
-        for p in shared:  # replicas start equal (as DDP's constructor ensures)
-            dist.broadcast(p.data, src=0)
-        if self.groups.replica_group is not None:
-            for p in self.expert_parameters():
-                dist.broadcast(p.data, src=self.groups.replica_ranks[0], group=self.groups.replica_group)
-
-    def moe_blocks(self) -> list[MoEMLP]:
-        return [m for m in self.module.modules() if isinstance(m, MoEMLP)]
+        positive_int("ep", ep)
+        world = dist.get_world_size()
+        if world % ep:
+            raise ValueError(f"ep={ep} must divide the world size {world}")
+        self.dims = ParallelDims(Degrees(dp_replicate=world // ep, ep=ep))
+        self.expert_params = place_experts(module, self.dims, a2a)
 
     def expert_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if id(p) in self.expert_params]
@@ -179,14 +165,17 @@ class ExpertParallel(SyncOnRequest):
         world = dist.get_world_size()
         shared = [p for p in self.module.parameters() if id(p) not in self.expert_params]
         _reduce_grads(shared, None, world)
-        _reduce_grads(self.expert_parameters(), self.groups.replica_group, world, skip=self.groups.replica_group is None)
+        replicas = self.dims.group("dp_replicate")
+        _reduce_grads(self.expert_parameters(), replicas, world, skip=replicas is None)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """One process's state dict, on every rank (a collective over the EP group): this rank's
         entries plus the experts its group's other ranks hold, on the CPU."""
         mine = {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
-        parts: list = [None] * self.groups.ep
-        dist.all_gather_object(parts, {k: v for k, v in mine.items() if ".experts." in k}, group=self.groups.ep_group)
+        if self.dims.degrees.ep == 1:
+            return mine
+        parts: list = [None] * self.dims.degrees.ep
+        dist.all_gather_object(parts, {k: v for k, v in mine.items() if ".experts." in k}, group=self.dims.group("ep"))
         for part in parts:
             mine.update(part)
         return mine
@@ -199,7 +188,7 @@ class ExpertParallel(SyncOnRequest):
     def groups_of(self, p: torch.Tensor) -> tuple:
         """For :func:`labkit.parallel.clipping.clip_grad_norm_`: expert gradients are split over the
         EP group (each counted once there); the rest are replicated."""
-        return (self.groups.ep_group,) if id(p) in self.expert_params else ()
+        return (self.dims.group("ep"),) if id(p) in self.expert_params else ()
 
 
 def _reduce_grads(params: list[nn.Parameter], group, world: int, skip: bool = False) -> None:

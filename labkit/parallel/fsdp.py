@@ -3,36 +3,67 @@
 PyTorch docs, "FSDP2" (Zhao et al. 2023 for FSDP): parameters, gradients and optimizer states are
 sharded over the ranks of a device mesh; each block's parameters are all-gathered for its forward
 and again for its backward (unless ``reshard_after_forward=False``, which keeps them gathered
-between the passes), and gradients are reduce-scattered.
+between the passes), and gradients are reduce-scattered. On a 2-D ``(replicate, shard)`` mesh the
+shards are also all-reduced across the replicas (hybrid sharding, HSDP); with a shard dimension of
+size 1 that is plain replication, the gradients all-reduced as DDP would.
+
+This is the one place labkit calls ``fully_shard``: the training loop's layouts, the hand-checked
+FSDP runs and the fake-tensor memory estimate all shard through :func:`apply_fsdp`.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from labkit.core.model import blocks_of
 
-def fully_shard_gpt(model: nn.Module, device: torch.device, reshard_after_forward: bool = True,
-                    cpu_offload: bool = False, bf16_params: bool = False, mesh=None) -> nn.Module:
-    """Shard every block of the GPT, then the root (embeddings, final norm, tied head), in place.
 
-    ``mesh``: by default every rank in one shard group. A 2-D mesh whose dimensions are
-    ``("replicate", "shard")`` gives hybrid sharding (HSDP, PyTorch's FSDP2 docs): each shard group
-    holds one copy of the model, and gradient shards are all-reduced across the copies."""
-    from torch.distributed.device_mesh import init_device_mesh
+def _experts(block: nn.Module) -> list[nn.Module]:
+    """A mixture-of-experts block's experts on this rank (none for a dense block)."""
+    experts = getattr(block.mlp, "experts", None)
+    return list(experts.values()) if experts is not None else []
+
+
+def apply_fsdp(parts: list[nn.Module], mesh, reshard_after_forward: bool = True, cpu_offload: bool = False,
+               bf16_params: bool = False, expert_mesh=None, device: torch.device | None = None) -> list[nn.Module]:
+    """Shard every block of each part (the GPT, or the pipeline stages this rank holds), then each
+    part's root (embeddings, final norm, head), in place, over ``mesh`` (1-D: FSDP; 2-D: HSDP).
+
+    Experts of MoE blocks are sharded on ``expert_mesh`` instead (the ranks holding the same experts),
+    their gradients averaged over it; without an ``expert_mesh`` they are left out of FSDP. Either way
+    every token rank's loss reached them through the all-to-all, not only their mesh's ranks: the
+    caller divides their gradients by what is missing (:meth:`labkit.parallel.placed.Placed.finish_gradients`)."""
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         MixedPrecisionPolicy,
         fully_shard,
     )
 
-    mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
-    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    kwargs = {"reshard_after_forward": reshard_after_forward}
     if cpu_offload:
         # Pinned host memory makes the device copies asynchronous; it needs an accelerator to exist.
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device is not None and device.type == "cuda")
     if bf16_params:  # compute in bf16 on gathered copies, keep fp32 shards, reduce in fp32
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:  # one all-gather per block: only one block is ever unsharded
-        fully_shard(block, **kwargs)
-    return fully_shard(model, **kwargs)  # the root: embeddings, final norm, tied head
+    ignored: set[nn.Parameter] = set()
+    for part in parts:
+        for block in blocks_of(part):  # one all-gather per block: only one block is ever unsharded
+            for expert in _experts(block):
+                if expert_mesh is None:
+                    ignored |= set(expert.parameters())
+                    continue
+                fully_shard(expert, mesh=expert_mesh, **kwargs)
+            fully_shard(block, mesh=mesh, ignored_params=ignored or None, **kwargs)
+        fully_shard(part, mesh=mesh, ignored_params=ignored or None, **kwargs)  # the root: embeddings, head
+    return parts
+
+
+def hsdp_formula(psi_bytes: int, world: int, replicas: int) -> dict[str, dict[str, float]]:
+    """Payload bytes per step on each mesh dimension (what the counter counts) and the bytes one rank
+    sends under ring collectives, for HSDP and for FSDP over all ``world`` ranks (Zhao et al. 2023):
+    inside a shard group of S = world/replicas ranks all-gathers of 2 Psi and a reduce-scatter of Psi,
+    (S-1)/S of each sent; across the replicas an all-reduce of the rank's Psi/S shard."""
+    s = world // replicas
+    return {"shard": {"payload": 3 * psi_bytes, "sent": 3 * psi_bytes * (s - 1) / s},
+            "replicate": {"payload": psi_bytes / s, "sent": 2 * (replicas - 1) / replicas * psi_bytes / s},
+            "fsdp": {"payload": 3 * psi_bytes, "sent": 3 * psi_bytes * (world - 1) / world}}

@@ -85,10 +85,13 @@ class GPTStage(nn.Module):
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(lo, hi)})
         if self.last:  # on its own the head keeps a copy of the tied matrix (synced: see tied_grad_sync)
             self.ln_f, self.head = model.ln_f, model.head
+        self.config = model.config
+        self.positions: torch.Tensor | None = None  # as GPT.positions: context parallelism's zig-zag
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
-            x = self.drop(self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device)))
+            pos = self.positions if self.positions is not None else torch.arange(x.shape[1], device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(pos))
         for block in self.blocks.values():
             x = block(x)
         return self.head(self.ln_f(x)) if self.last else x
@@ -201,6 +204,7 @@ class RankStages(nn.Module):
     def __init__(self, stages: list[GPTStage]) -> None:
         super().__init__()
         self.parts = list(stages)  # not registered: their submodules are, below, under the GPT's names
+        self.config = stages[0].config
         first, last = self.first, self.last
         if first is not None:
             self.wte, self.wpe, self.drop = first.wte, first.wpe, first.drop
@@ -220,30 +224,39 @@ class RankStages(nn.Module):
 
 
 def build_schedule(stages: list[GPTStage], n_stages: int, device: torch.device, timeline: Timeline,
-                   microbatches: int, schedule: str, micro_shape: tuple[int, int, int, int],
-                   logits_dtype: torch.dtype, loss_fn):
+                   microbatches: int, schedule: str, micro_shape: tuple[int, int, int, int, int],
+                   logits_dtype: torch.dtype, loss_fn, group: dist.ProcessGroup | None = None):
     """``torch.distributed.pipelining``'s schedule over this rank's stages, each a :class:`TimedStage`.
 
-    ``micro_shape`` is (rows, tokens, hidden, vocab) of one microbatch: the shapes are given up front
+    ``micro_shape`` is (rows, tokens, tokens between stages, hidden, vocab) of one microbatch (the
+    tokens between stages are fewer under sequence parallelism): the shapes are given up front
     (static mode). Without them a stage infers them on the first step and, measured here, keeps 0.7
     of a microbatch's saved activations alive on stage 0 for the rest of the run; with them the
-    activation peaks equal the hand-written pipeline's exactly.
+    activation peaks equal the hand-written pipeline's exactly. ``group``: the pipeline's ranks.
     """
+    import inspect
+
     from torch.distributed import pipelining
 
     TimedStage = _timed_stage_class()
-    mb, T, C, V = micro_shape
+    mb, T, S, C, V = micro_shape
 
     # requires_grad on the example activations: without it the stage sends no gradient back and
     # the stages before it silently never learn (measured: stage 0 got no gradient at all).
     def meta(*shape, dtype=torch.float32):
         return torch.empty(shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)
 
-    timed = [TimedStage(m, m.index, n_stages, device, timeline=timeline,
-                        input_args=meta(mb, T, dtype=torch.long) if m.first else meta(mb, T, C),
-                        output_args=meta(mb, T, V, dtype=logits_dtype) if m.last else meta(mb, T, C),
-                        output_grads=None if m.last else meta(mb, T, C),
-                        input_grads=None if m.first else meta(mb, T, C)) for m in stages]
+    # torch 2.11's PipelineStage has no output_grads / input_grads (it infers them): asked by feature
+    grads = "output_grads" in inspect.signature(pipelining.PipelineStage.__init__).parameters
+
+    def kwargs(m: GPTStage) -> dict:
+        out = {"input_args": meta(mb, T, dtype=torch.long) if m.first else meta(mb, S, C),
+               "output_args": meta(mb, T, V, dtype=logits_dtype) if m.last else meta(mb, S, C)}
+        if grads:
+            out.update(output_grads=None if m.last else meta(mb, S, C), input_grads=None if m.first else meta(mb, S, C))
+        return out
+
+    timed = [TimedStage(m, m.index, n_stages, device, group=group, timeline=timeline, **kwargs(m)) for m in stages]
     cls = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
            "interleaved": pipelining.ScheduleInterleaved1F1B}[schedule]
     return cls(timed if len(timed) > 1 else timed[0], microbatches, loss_fn=loss_fn)

@@ -53,7 +53,8 @@ class ActivationMeter:
     """
 
     def __init__(self, module: torch.nn.Module | None = None) -> None:
-        self.params = {p.untyped_storage().data_ptr() for p in (module.parameters() if module else [])}
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in (module.parameters() if module else [])]
+        self.params = {p.untyped_storage().data_ptr() for p in local}  # a DTensor's: its shard's
         self._refs: dict[int, list[int]] = {}  # storage pointer -> [holders, bytes]
         self._lock = threading.Lock()  # the autograd engine frees saved tensors from its own thread
         self.live = 0
@@ -66,7 +67,7 @@ class ActivationMeter:
     def _pack(self, t: torch.Tensor):
         if t.device.type == "meta":
             return t
-        st = t.untyped_storage()
+        st = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()  # a DTensor: its local part
         key = st.data_ptr()
         if not key or key in self.params:
             return t

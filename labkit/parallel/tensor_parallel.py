@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.core.checks import positive_int
-from labkit.core.model import GPT, GPTConfig
+from labkit.core.model import GPT, GPTConfig, blocks_of
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -49,71 +49,32 @@ def check_tp(tp: int, model_cfg: GPTConfig, world_size: int | None = None) -> No
                          f"valid tp values here: {[d for d in valid if world_size % d == 0]}")
 
 
-# The fused QKV matrix stacks [Q; K; V], each (C, C) with heads in order. Sharding its 3C rows
-# contiguously over tp ranks (what ColwiseParallel does: Shard(0)) would give rank 0 all of Q and
-# part of K when tp=2: no rank would hold the Q, K and V of the same heads. Megatron-LM stores the
-# fused matrix head-major instead; we permute the rows to [Q_0 K_0 V_0 | Q_1 K_1 V_1 | ...] (rank r's
-# heads together), so a contiguous shard is exactly rank r's heads, and one GEMM still computes them.
-def qkv_to_rank_major(t: torch.Tensor, tp: int) -> torch.Tensor:
-    """Rows of a fused QKV weight (or bias) from [Q; K; V] to rank-major [Q_r K_r V_r] for r < tp."""
-    return t.reshape(3, tp, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
-
-
-def qkv_from_rank_major(t: torch.Tensor, tp: int) -> torch.Tensor:
-    """The inverse of :func:`qkv_to_rank_major`."""
-    return t.reshape(tp, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
-
-
-class TensorParallelAttention(nn.Module):
-    """Causal self-attention over this rank's ``n_head / tp`` heads (Megatron's ParallelAttention).
-
-    Holds the block's own ``qkv`` and ``proj`` under the same names, so parameter names are
-    unchanged; ``qkv`` returns ``[Q_r K_r V_r]`` (3C/tp wide), ``proj`` sums the ranks' outputs.
-    """
-
-    def __init__(self, attn: nn.Module, tp: int) -> None:
-        super().__init__()
-        self.qkv, self.proj, self.dropout = attn.qkv, attn.proj, attn.dropout
-        self.n_head = attn.n_head // tp
-
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=2)  # this rank's heads, (B, T, C/tp) each
-        q, k, v = (t.reshape(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
-
-
-def _swap_attention(model: GPT, tp: int) -> None:
-    with torch.no_grad():
-        for block in model.blocks:
-            for p in (block.attn.qkv.weight, block.attn.qkv.bias):
-                if p is not None:
-                    p.copy_(qkv_to_rank_major(p, tp))
-            block.attn = TensorParallelAttention(block.attn, tp)
-
-
-def parallelize_dtensor(model: GPT, mesh: DeviceMesh, sequence_parallel: bool = False) -> GPT:
+def parallelize_dtensor(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
     """Megatron's split with DTensor: ``ColwiseParallel`` before, ``RowwiseParallel`` after each GELU
     or attention. With ``sequence_parallel`` the LayerNorms run on ``s/tp`` tokens each
-    (``SequenceParallel``); the all-reduces become all-gathers and reduce-scatters of equal volume."""
+    (``SequenceParallel``); the all-reduces become all-gathers and reduce-scatters of equal volume.
+
+    ``model``: the GPT, or one pipeline stage of it (:class:`labkit.parallel.pipeline_parallel.GPTStage`):
+    a stage without the embeddings receives, and one without the head sends, its sequence shard.
+    A mixture-of-experts block keeps its experts whole (they are split over ranks by expert
+    parallelism instead); only its attention is split."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
+        PrepareModuleOutput,
         RowwiseParallel,
         SequenceParallel,
         parallelize_module,
     )
 
-    tp = mesh.size()
-    check_tp(tp, model.config)
-    _swap_attention(model, tp)
+    check_tp(mesh.size(), model.config)
+    blocks = blocks_of(model)
     if not sequence_parallel:
-        plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
-                "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
-        for block in model.blocks:
+        for block in blocks:
+            plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel()}
+            if hasattr(block.mlp, "fc"):  # the dense MLP
+                plan.update({"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
             parallelize_module(block, mesh, plan)
         return model
     # The residual stream stays a DTensor sharded on the sequence (dim 1) between the TP regions;
@@ -132,15 +93,22 @@ def parallelize_dtensor(model: GPT, mesh: DeviceMesh, sequence_parallel: bool = 
             "attn.proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
             "ln_2": SequenceParallel(), "mlp": gather(1), "mlp.fc": ColwiseParallel(),
             "mlp.proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
-    for block in model.blocks:
+    for block in blocks:
         parallelize_module(block, mesh, plan)
     # Embeddings stay replicated (small here); their sum is cut into sequence shards before the
     # first block, and the last norm's output gathered again for the tied head.
-    parallelize_module(model, mesh, {
-        "drop": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),)),
-        "ln_f": SequenceParallel(),
-        "head": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                   use_local_output=True)})
+    ends = {"drop": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),)),
+            "ln_f": SequenceParallel(),
+            "head": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                       use_local_output=True)}
+    parallelize_module(model, mesh, {k: v for k, v in ends.items() if hasattr(model, k)})
+    # Between pipeline stages the shard travels as a plain tensor, (rows, tokens / tp, hidden)
+    if not hasattr(model, "wte"):
+        parallelize_module(blocks[0], mesh, PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=False))
+    if not hasattr(model, "head"):
+        parallelize_module(blocks[-1], mesh, PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Shard(1), use_local_output=True))
     return model
 
 
@@ -213,8 +181,7 @@ def parallelize_scratch(model: GPT, group: dist.ProcessGroup | None = None) -> G
     """The same split as :func:`parallelize_dtensor`, with the hand-written layers and operators."""
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     check_tp(tp, model.config)
-    _swap_attention(model, tp)
-    for block in model.blocks:
+    for block in blocks_of(model):
         a, m = block.attn, block.mlp
         a.qkv, a.proj = ColumnParallelLinear(a.qkv, group, tp, rank), RowParallelLinear(a.proj, group, tp, rank)
         m.fc, m.proj = ColumnParallelLinear(m.fc, group, tp, rank), RowParallelLinear(m.proj, group, tp, rank)
@@ -222,7 +189,7 @@ def parallelize_scratch(model: GPT, group: dist.ProcessGroup | None = None) -> G
 
 
 def full_state_dict(model: nn.Module, tp: int, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
-    """The unsplit GPT's state dict on every rank (a collective): shards gathered, QKV rows un-permuted."""
+    """The unsplit GPT's state dict on every rank (a collective): shards gathered."""
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():  # the Parameters, with tp_shard_dim
         if hasattr(t, "full_tensor"):
@@ -231,8 +198,6 @@ def full_state_dict(model: nn.Module, tp: int, group: dist.ProcessGroup | None =
             parts = [torch.empty_like(t) for _ in range(tp)]
             dist.all_gather(parts, t.detach().contiguous(), group=group)
             t = torch.cat(parts, dim=t.tp_shard_dim)
-        if ".attn.qkv." in name:
-            t = qkv_from_rank_major(t, tp)
         out[name] = t.detach().cpu().clone()
     return out
 

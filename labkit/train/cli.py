@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         names = ["--" + f.name.replace("_", "-")] + (["--schedule"] if f.name == "pp_schedule" else [])
         kind = _kind(f, f.default)
         if f.name == "strategy":
-            kind = {"choices": list(STRATEGIES)}
+            kind = {"choices": ["auto", *STRATEGIES]}
         groups[f.metadata["group"]].add_argument(*names, dest=f.name, default=f.default, help=f.metadata["help"],
                                                  **kind)
     model = p.add_argument_group("model (GPTConfig)")
@@ -164,11 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     if args["list_strategies"]:
         print(_describe_strategies())
         return 0
+    tc, mc = _configs(parser, args)
     if args["can_checkpoint"]:
-        why = strategy(args["strategy"]).cannot_checkpoint
+        why = strategy(tc.strategy).cannot_checkpoint
         print("yes" if why is None else f"no: {why}")
         return 0
-    tc, mc = _configs(parser, args)
     if tc.deterministic:  # cuBLAS reads it once, when the process first uses it: before CUDA starts
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     try:

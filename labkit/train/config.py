@@ -7,6 +7,7 @@ checks itself when it is made: a bad value, or an option the chosen strategy doe
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -20,14 +21,26 @@ from labkit.core.checks import (
 from labkit.core.devices import DEVICE_TYPES, check_device
 from labkit.fault_tolerance.preemption import check_grace
 from labkit.parallel.activation_checkpointing import parse_policy
+from labkit.parallel.mesh import Degrees
 from labkit.parallel.pipeline_parallel import PP_SCHEDULES
-from labkit.train.instruments import parse_steps
 from labkit.train.lr_schedule import LR_SCHEDULES
+from labkit.train.strategies import DIMS, OPTIONS, WHY, Strategy, strategy, takes
 
 # How the loop computes (Micikevicius et al. 2018): fp32 throughout; bf16 or fp16 autocast with fp32
 # weights and optimizer states (fp16 with dynamic loss scaling, torch's GradScaler).
 TRAIN_PRECISIONS = ("fp32", "bf16", "fp16")
 GROUPS = ("strategy", "data and optimisation", "precision and memory", "checkpointing and preemption", "output")
+
+
+def parse_steps(spec: str, steps: int) -> range:
+    """``"A:B"`` -> steps A to B-1; a ValueError naming ``profile_steps`` otherwise."""
+    try:
+        a, b = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"profile_steps={spec!r} must be 'A:B', the steps A to B-1 to record, e.g. '2:4'") from None
+    if not 0 <= a < b <= steps:
+        raise ValueError(f"profile_steps={spec!r} must satisfy 0 <= A < B <= steps={steps}")
+    return range(a, b)
 
 
 def _f(default: Any, group: str, help: str, choices: tuple | None = None) -> Any:
@@ -38,8 +51,9 @@ def _f(default: Any, group: str, help: str, choices: tuple | None = None) -> Any
 class TrainConfig:
     """One training run of the lab GPT; see the module docstring. Fields are the CLI's flags."""
 
-    strategy: str = _f("single", "strategy", "how the model and the data are split over the ranks "
-                       "(python -m labkit.train --list-strategies describes each)")
+    strategy: str = _f("auto", "strategy", "how the model and the data are split over the ranks "
+                       "(python -m labkit.train --list-strategies describes each); auto: 'mesh' when a degree "
+                       "flag is given, else 'single'")
     device: str = _f("cpu", "strategy", "cpu (gloo between ranks) or cuda (one GPU per rank, NCCL)", DEVICE_TYPES)
     bucket_cap_mb: float = _f(25.0, "strategy", "ddp, dp_bucketed: MiB of gradients per all-reduce bucket")
     reshard_after_forward: bool = _f(True, "strategy", "fsdp: free each block's gathered parameters after its "
@@ -57,18 +71,23 @@ class TrainConfig:
                                     "set_requires_gradient_sync save)")
     offload_optimizer: bool = _f(False, "strategy", "zero1/zero2/zero3: Adam states and step on the CPU "
                                  "(ZeRO-Offload)")
-    tp: int = _f(0, "strategy", "tp, tp_scratch: tensor-parallel degree, ranks per group (0: every rank); the "
-                 "other world/tp ranks are FSDP2 data parallel")
+    dp_replicate: int = _f(1, "strategy", "mesh: data-parallel replicas of the model (HSDP's replicate "
+                           "dimension; with --dp-shard 1, plain replication)")
+    dp_shard: int = _f(0, "strategy", "mesh: ranks FSDP2 shards each weight over (with the cp and ep ranks; 1: "
+                       "no sharding; 0: the ranks the other degrees leave)")
+    tp: int = _f(0, "strategy", "tp, tp_scratch, mesh: tensor-parallel degree, ranks per group (0: every rank; "
+                 "mesh: 1); the other world/tp ranks are FSDP2 data parallel")
     sequence_parallel: bool = _f(False, "strategy", "tp: LayerNorms and dropout on s/tp tokens per rank "
                                  "(all-gather + reduce-scatter instead of all-reduce)")
-    cp: int = _f(0, "strategy", "cp: context-parallel degree, ranks sharing each sequence (0: every rank); the "
-                 "other world/cp ranks are data parallel")
-    ep: int = _f(0, "strategy", "ep: expert-parallel degree, ranks sharing one copy of the experts (0: every "
-                 "rank); the other world/ep ranks are data parallel")
-    pp: int = _f(0, "strategy", "pp, pp_scratch: pipeline stages, one per rank (0: every rank)")
-    microbatches: int = _f(4, "strategy", "pp, pp_scratch: microbatches the global batch is cut into")
-    pp_schedule: str = _f("1f1b", "strategy", "pp, pp_scratch: pipeline schedule (--schedule is the old name)",
-                          PP_SCHEDULES)
+    cp: int = _f(0, "strategy", "cp, mesh: context-parallel degree, ranks sharing each sequence (0: every rank; "
+                 "mesh: 1); the other world/cp ranks are data parallel")
+    ep: int = _f(0, "strategy", "ep, mesh: expert-parallel degree, ranks sharing one copy of the experts (0: every "
+                 "rank; mesh: 1); the other world/ep ranks are data parallel")
+    pp: int = _f(0, "strategy", "pp, pp_scratch, mesh: pipeline stages (0: every rank; mesh: 1)")
+    microbatches: int = _f(4, "strategy", "pp, pp_scratch, mesh: microbatches each data-parallel rank's rows are "
+                           "cut into for the pipeline")
+    pp_schedule: str = _f("1f1b", "strategy", "pp, pp_scratch, mesh: pipeline schedule (--schedule is the old "
+                          "name)", PP_SCHEDULES)
     steps: int = _f(20, "data and optimisation", "optimizer steps to train")
     batch_size: int = _f(8, "data and optimisation", "global batch in rows (sequences) per step, summed over "
                          "every rank: micro-batch x grad_accum x data-parallel ranks")
@@ -124,11 +143,12 @@ class TrainConfig:
                                                          "(gathered on every rank); not a CLI flag"})
 
     def __post_init__(self) -> None:
-        from labkit.train.strategies import check_config
-
-        for name in ("steps", "batch_size", "grad_accum", "keep_last", "microbatches", "replicas"):
+        if self.strategy == "auto":  # degrees without a strategy: the layout they describe
+            given = self.dp_replicate != 1 or any(getattr(self, d) for d in ("dp_shard", "tp", "pp", "cp", "ep"))
+            self.strategy = "mesh" if given else "single"
+        for name in ("steps", "batch_size", "grad_accum", "keep_last", "microbatches", "replicas", "dp_replicate"):
             positive_int(name, getattr(self, name))
-        for name in ("warmup_steps", "save_every", "tp", "pp", "cp", "ep", "seed"):
+        for name in ("warmup_steps", "save_every", "tp", "pp", "cp", "ep", "dp_shard", "seed"):
             non_negative_int(name, getattr(self, name))
         positive_number("lr", self.lr)
         positive_number("bucket_cap_mb", self.bucket_cap_mb)
@@ -163,3 +183,72 @@ def defaults() -> dict[str, Any]:
     """Every field's default, by name."""
     return {f.name: f.default for f in fields(TrainConfig)}
 
+
+def degrees_for(cfg: TrainConfig, world: int) -> Degrees:
+    """The layout ``cfg``'s strategy gives it on ``world`` ranks; a one-line ValueError naming the field otherwise."""
+    spec = strategy(cfg.strategy)
+    if spec.one_process and world != 1:
+        raise ValueError(f"strategy={spec.name!r} runs on one process but world_size={world}; use 'ddp' (or "
+                         "another strategy) for several ranks")
+    given: dict[str, int] = {}
+    for dim, name in spec.degrees:
+        value = getattr(cfg, name)
+        if value or dim != spec.rest:
+            given[dim] = value or (world if spec.zero_means_all else 1)
+            if world % given[dim]:
+                raise ValueError(f"{name}={given[dim]} must divide world_size={world}: {WHY.get(dim, '')}".rstrip(": "))
+    others = math.prod(v for d, v in given.items() if d != spec.rest)
+    if spec.rest not in given:
+        if world % others:
+            raise ValueError(f"the degrees {Degrees(**given).label()} multiply to {others}, which does not divide "
+                             f"world_size={world}: the ranks left over form the {spec.rest} dimension")
+        given[spec.rest] = world // others
+    degrees = Degrees(**given)
+    degrees.check(world)
+    if spec.teaching and degrees.world > 1 and max(getattr(degrees, d) for d in DIMS) != world:
+        raise ValueError(f"strategy={spec.name!r} is written by hand for one dimension only: its degree must be "
+                         f"world_size={world}, here {degrees.label()}; strategy 'mesh' composes the library versions")
+    return degrees
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """What no run of this strategy can do, refused before anything starts (``TrainConfig`` calls it)."""
+    s = strategy(cfg.strategy)
+    default = {f.name: f.default for f in fields(cfg)}
+    for option in OPTIONS:
+        if getattr(cfg, option) != default[option] and option not in s.options:
+            raise ValueError(f"{option}={getattr(cfg, option)!r} has no effect with strategy={s.name!r}; it "
+                             f"applies to strategy {' / '.join(map(repr, takes(option)))}")
+    if cfg.precision not in s.precisions:
+        raise ValueError(f"precision={cfg.precision!r} is not supported with strategy={s.name!r}; "
+                         f"valid precisions: {list(s.precisions)}")
+    if cfg.grad_accum > 1 and not s.grad_accum:
+        raise ValueError(f"grad_accum={cfg.grad_accum} is not used with strategy={s.name!r}: its microbatches "
+                         "are the accumulation; set grad_accum=1 and microbatches instead")
+    if cfg.checkpoint_dir and s.cannot_checkpoint:
+        raise ValueError(f"checkpoint_dir is not supported with strategy={s.name!r}: {s.cannot_checkpoint}")
+    cp = dict(s.degrees).get("cp") and (cfg.cp or (0 if s.zero_means_all else 1))
+    if cfg.activation_checkpointing != "none" and cp != 1 and cp is not None:  # 0: every rank
+        raise ValueError(f"activation_checkpointing={cfg.activation_checkpointing!r} is not supported with "
+                         f"strategy={s.name!r} and context parallelism: recomputing a block would run the ring's "
+                         "exchanges again inside backward; use 'none' (it already divides activations by cp)")
+    if s.pp_impl == "scratch" and cfg.pp_schedule == "interleaved":
+        raise ValueError(f"pp_schedule='interleaved' needs torch pipelining (strategy 'pp'); the hand-written "
+                         f"pipeline (strategy {s.name!r}) has 'gpipe' and '1f1b'")
+    if s.deepspeed:
+        _check_deepspeed(cfg, s)
+
+
+def _check_deepspeed(cfg: TrainConfig, s: Strategy) -> None:
+    if cfg.async_save:
+        raise ValueError(f"async_save=True is not supported with strategy={s.name!r}: DeepSpeed writes its "
+                         "checkpoints synchronously (engine.save_checkpoint); use async_save=False")
+    if cfg.precision == "fp16" and cfg.device != "cuda":
+        raise ValueError(f"precision='fp16' with strategy={s.name!r} needs device='cuda' (DeepSpeed's "
+                         "fp16 optimizer); on CPU use precision='bf16' or strategy 'fsdp'")
+    if s.zero_stage == 3 and cfg.activation_checkpointing.startswith("selective"):
+        # Measured: with ZeRO-3's patched linear and gathering hooks, PyTorch's selective
+        # recomputation drifted from the reference by 4e-4 in loss within 3 steps (and so does
+        # any later selective run in the same process); DeepSpeed has no op-level policy.
+        raise ValueError(f"activation_checkpointing={cfg.activation_checkpointing!r} is not supported with "
+                         f"strategy={s.name!r}; use 'full' or 'every:k' (DeepSpeed's checkpointing), or strategy='fsdp'")

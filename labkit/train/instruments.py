@@ -27,23 +27,13 @@ import torch
 
 from labkit.planning.accelerators import ACCELERATORS, from_device_name
 from labkit.planning.cost import flops_per_token
+from labkit.train.config import parse_steps
 
 if TYPE_CHECKING:
     from labkit.core.model import GPTConfig
     from labkit.train.config import TrainConfig
 
 MATMUL_DTYPE = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}  # what the matmuls run in, by precision
-
-
-def parse_steps(spec: str, steps: int) -> range:
-    """``"A:B"`` -> steps A to B-1; a ValueError naming ``profile_steps`` otherwise."""
-    try:
-        a, b = (int(x) for x in spec.split(":"))
-    except ValueError:
-        raise ValueError(f"profile_steps={spec!r} must be 'A:B', the steps A to B-1 to record, e.g. '2:4'") from None
-    if not 0 <= a < b <= steps:
-        raise ValueError(f"profile_steps={spec!r} must satisfy 0 <= A < B <= steps={steps}")
-    return range(a, b)
 
 
 def set_up(cfg: TrainConfig, device: torch.device) -> None:

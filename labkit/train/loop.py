@@ -5,48 +5,50 @@ From a shell, the same loop (:mod:`labkit.train.cli`)::
 
     python -m labkit.train --strategy single --steps 20 --metrics out.json
     torchrun --nproc-per-node 2 -m labkit.train --strategy fsdp --steps 20 --metrics out.json
+    torchrun --nproc-per-node 8 -m labkit.train --tp 2 --pp 2 --dp-shard 2 --steps 20
 
-The loop builds the plain GPT, seeds every rank, reads each step's batch (a pure function of seed
-and step), times and counts every step, keeps the loss of the global batch, saves and resumes; what
-differs between strategies (wrapping, sharding or splitting the model, one step's forward, backward
-and update) is asked of the strategy's plan (:mod:`labkit.train.plans`). With ``checkpoint_dir``
-the run saves there and a restarted run resumes from the newest good checkpoint bit for bit; on
-SIGTERM or SIGUSR1 it finishes the step, saves and reports ``preempted``.
+The loop lays the run out on one device mesh (:class:`labkit.parallel.mesh.ParallelDims`), builds
+the plain GPT, seeds every rank, asks the strategy's plan to place the model
+(:mod:`labkit.train.plans`), reads each step's batch (a pure function of seed and step), and runs
+:func:`train_step`: forward, backward and accumulation, the gradients finished, clipping, the
+update, read top to bottom below. It keeps the loss of the global batch (:func:`global_loss`),
+saves and resumes; a :class:`labkit.train.probe.Probe` times and counts every step from outside.
+With ``checkpoint_dir`` the run saves there and a restarted run resumes from the newest good
+checkpoint bit for bit; on SIGTERM or SIGUSR1 it finishes the step, saves and reports ``preempted``.
 """
 from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
-from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from labkit.comm.counter import CommCounter, ring_volume
-from labkit.core.data import get_batch, load_corpus, train_val_split
-from labkit.core.devices import (
-    current_device,
-    gather_objects,
-    rank_and_world,
-    synchronize,
-)
-from labkit.core.model import GPT, GPTConfig, build_model
 from labkit.core import progress
+from labkit.core.data import get_batch, load_corpus, train_val_split
+from labkit.core.devices import current_device, gather_objects, rank_and_world
+from labkit.core.model import GPT, GPTConfig, build_model
 from labkit.fault_tolerance.rng import seed_rngs
+from labkit.parallel.checks import check_layout
+from labkit.parallel.clipping import clip_grad_norm_
+from labkit.parallel.mesh import Degrees, ParallelDims
 from labkit.train import instruments
-from labkit.train.config import TrainConfig
+from labkit.train.config import TrainConfig, degrees_for
+from labkit.train.deepspeed_plan import DeepSpeedPlan
 from labkit.train.lr_schedule import lr_scheduler
 from labkit.train.plans import Plan
+from labkit.train.probe import Probe
 from labkit.train.resumable import Resumable
 from labkit.train.strategies import STRATEGIES, strategy
 
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 def make_plan(cfg: TrainConfig, model_cfg: GPTConfig) -> Plan:
-    """The strategy's plan for this rank, its world-dependent checks passed (before any collective)."""
-    import torch.distributed as dist
-
+    """The strategy's plan for this rank on its mesh, every check passed before any collective but the
+    mesh's own."""
     spec = strategy(cfg.strategy)
-    rank, world = rank_and_world()
+    _, world = rank_and_world()
     if spec.needs_group and not dist.is_initialized():
         raise ValueError(f"strategy={spec.name!r} needs a process group: run it under labkit.launch.launch or "
                          "torchrun (python -m labkit.train starts a one-rank group by itself)")
@@ -54,102 +56,110 @@ def make_plan(cfg: TrainConfig, model_cfg: GPTConfig) -> Plan:
         raise ValueError(f"moe_experts={model_cfg.moe_experts} (a mixture-of-experts model) is not supported with "
                          f"strategy={spec.name!r}: its routing would be decided per rank, not over the global batch; "
                          f"use strategy {' / '.join(repr(s.name) for s in STRATEGIES.values() if s.moe)}")
-    plan = spec.plan(cfg, spec, model_cfg, current_device(cfg.device), rank, world)
+    asked = {dim: getattr(cfg, name) for dim, name in spec.degrees if getattr(cfg, name) and dim != spec.rest}
+    if spec.pp_impl is not None:
+        asked["pp"] = cfg.pp or world
+    staged = spec.pp_impl is not None or asked.get("pp", 1) > 1
+    check_layout(Degrees(**asked), model_cfg, None, cfg.microbatches if staged else None, cfg.pp_schedule,
+                 spec.pp_impl or "torch", cfg.sequence_parallel)  # the model first, then the world size
+    degrees = degrees_for(cfg, world)
+    dims = ParallelDims(degrees, cfg.device)
+    plan = (DeepSpeedPlan if spec.deepspeed else Plan)(cfg, spec, model_cfg, current_device(cfg.device), dims)
     plan.check_run()
     return plan
 
 
-class _Record:
-    """What the loop keeps of every step it runs on this rank."""
+def train_step(plan: Plan, x: torch.Tensor, y: torch.Tensor, probe: Probe) -> torch.Tensor:
+    """One optimizer step on this rank's rows of the global batch; returns this rank's mean loss."""
+    cfg, placed, scaler, device = plan.cfg, plan.placed, plan.scaler, plan.device
+    if plan.engine is not None:  # DeepSpeed's engine owns backward, clipping and the update
+        return plan.engine_step(x, y, probe.after_backward)
+    dtype = AUTOCAST.get(cfg.precision)
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
+    x, y = placed.shard_batch(x, y)  # under context parallelism: this rank's chunks of each row
+    if placed.pipeline is not None:  # the schedule runs every microbatch's forward and backward
+        with autocast:
+            loss = placed.pipeline.forward_backward(
+                x, y, float(scaler.scale(torch.ones((), device=device))) if scaler else None)
+    else:
+        loss = torch.zeros((), device=device)
+        micros = list(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum)))
+        for i, (xm, ym) in enumerate(micros):
+            with placed.sync(i == len(micros) - 1 or cfg.sync_each_microbatch):
+                with autocast:
+                    micro = placed.model(xm, ym)[1] / len(micros)  # the step's loss: the micro-batches' mean
+                (scaler.scale(micro) if scaler else micro).backward()
+            loss += micro.detach()
+    probe.mark()
+    placed.finish_gradients()  # synchronised by hand, Partial DTensors reduced, tied copies summed
+    if scaler:
+        scaler.unscale_(plan.optimizer)  # clip the true gradients, not the scaled ones
+    if cfg.grad_clip and not getattr(plan.optimizer, "clips_gradients", False):
+        clip_grad_norm_(placed.params, cfg.grad_clip, placed.norm_groups, skip=placed.norm_skip)
+    if scaler:
+        scaler.step(plan.optimizer)
+        scaler.update()
+    else:
+        plan.optimizer.step()
+    if plan.scheduler is not None:  # a constant learning rate has none
+        plan.scheduler.step()
+    return loss
 
-    def __init__(self, count_comm: str, device: torch.device, steps: int) -> None:
-        self.mode = count_comm if count_comm != "auto" else ("last" if device.type == "cuda" else "every")
-        self.steps = steps
-        self.times, self.timed, self.comm, self.calls, self.held, self.local = [], [], [], [], [], []
-        self.allocated: list[int | None] = []  # the CUDA allocator's bytes in use where ``held`` is counted
 
-    def counted(self, step: int) -> bool:
-        """Whether ``step`` runs under the collective counter (its Python dispatch costs time)."""
-        return self.mode == "every" or (self.mode == "last" and step == self.steps - 1)
-
-    def rank_figures(self, rank: int, world: int, states: Any, plan: Plan) -> dict:
-        def per_step(f):
-            return [f(b) if b is not None else None for b in self.comm]
-
-        return {"rank": rank, "step_time_s": self.times, "step_timed_without_counter": self.timed,
-                "allreduce_bytes_per_step": per_step(lambda b: b.get("allreduce", 0)),
-                "allreduce_calls_per_step": [c.get("allreduce", 0) if c is not None else None for c in self.calls],
-                "comm_bytes_per_step": self.comm, "comm_calls_per_step": self.calls,
-                "comm_volume_per_step": per_step(lambda b: ring_volume(b, world)),
-                "model_state_bytes": asdict(states) | {"total": states.total} if states else None,
-                "model_state_bytes_per_step": self.held, "local_loss": self.local,
-                "cuda_allocated_after_step": self.allocated,
-                "peak_memory_bytes": instruments.peak_memory(plan.device), **plan.rank_figures()}
-
-
-def _step(plan: Plan, rec: _Record, step: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """One timed (and, when due, counted) step; this rank's mean loss."""
-    counted = rec.counted(step)
-    plan.counting = counted
-    plan.before_step()
-    synchronize(plan.device)
-    t0 = time.perf_counter()
-    if plan.cfg.input_delay_ms:  # a loader that cannot keep up: the step waits for its batch
-        time.sleep(plan.cfg.input_delay_ms / 1e3)
-    with CommCounter() if counted else nullcontext() as counter:
-        local = plan.step(x, y)
-    synchronize(plan.device)
-    rec.times.append(time.perf_counter() - t0)
-    rec.timed.append(not counted)
-    rec.comm.append(dict(counter.bytes) if counted else None)
-    rec.calls.append(dict(counter.calls) if counted else None)
-    plan.after_step()
-    return local
+def global_loss(plan: Plan, local: torch.Tensor) -> torch.Tensor:
+    """The global batch's mean loss: every token rank holds as many tokens, so the mean of their losses;
+    a pipeline's last stage has it, and sends it to the others."""
+    dims, loss = plan.dims, local.clone()
+    if dims.tokens_group is not None:
+        dist.all_reduce(loss, group=dims.tokens_group)
+        loss /= dims.degrees.tokens
+    if dims.degrees.pp > 1:
+        dist.broadcast(loss, src=dims.pp_peer(dims.degrees.pp - 1), group=dims.group("pp"))
+    return loss
 
 
 def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | None = None) -> dict:
     """Train on this process's rank (or alone); return losses, timings and per-rank figures."""
     model_cfg = model_cfg or GPTConfig()
     plan = make_plan(cfg, model_cfg)
-    rank, world, device = plan.rank, plan.world, plan.device
+    dims, device = plan.dims, plan.device
+    rank, world = dims.rank, dims.world
     data = train_val_split(load_corpus(corpus)).train
     instruments.set_up(cfg, device)
     # Dropout's masks; a resume restores the states the checkpoint holds. Seeded by the rank's share of
     # the data, not by its rank: the ranks of a tensor-parallel group hold replicated activations and
-    # must draw the same masks (Megatron-LM keeps one seed per data-parallel rank for the same reason),
-    # or their copies of the replicated weights drift apart.
-    seed_rngs(cfg.seed, plan.data_rank)
+    # must draw the same masks (Megatron-LM keeps one seed per data-parallel rank for the same reason).
+    seed_rngs(cfg.seed, dims.data_rank)
     model = build_model(model_cfg, seed=cfg.seed).to(device)
     # Psi, before any strategy shards the parameters in place
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    plan.prepare(model)
+    plan.place(model)
     optimizer = plan.make_optimizer()
-    plan.attach(optimizer, lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, cfg.steps),
-                plan.make_scaler())
+    plan.attach(optimizer, lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, cfg.steps), plan.make_scaler())
     meta = {"strategy": cfg.strategy, "world_size": world, "seed": cfg.seed, "batch_size": cfg.batch_size,
-            "model": model_cfg.to_dict(), "reshardable": plan.spec.reshardable, "layout": plan.layout}
-    engine = getattr(plan, "engine", None)
+            "model": model_cfg.to_dict(), "reshardable": plan.spec.reshardable, "layout": dims.degrees.label()}
+    engine = plan.engine
     ft = Resumable(cfg, meta, None if engine else plan.module, None if engine else plan.optimizer,
                    None if engine else plan.scheduler, engine, plan.scaler)
     start, losses = ft.start()
     show = cfg.progress if cfg.progress is not None else progress.wanted(cfg.steps)
     bar = progress.bar(cfg.steps, f"{cfg.strategy} x{world}", show and rank == 0, initial=start)
-    rec, states = _Record(cfg.count_comm, device, cfg.steps), None
+    probe = Probe(plan, cfg.steps)
     try:
         with instruments.StepProfiler(cfg, device, rank) as profiler:
             for step in range(start, cfg.steps):
                 x, y = (t.to(device) for t in get_batch(data, step, cfg.batch_size, model_cfg.block_size, cfg.seed,
-                                                          plan.data_rank, plan.data_world))
-                with profiler.step(step):
-                    local = _step(plan, rec, step, x, y)
+                                                          dims.data_rank, dims.data_world))
+                with profiler.step(step), probe.step(step):
+                    if cfg.input_delay_ms:  # a loader that cannot keep up: the step waits for its batch
+                        time.sleep(cfg.input_delay_ms / 1e3)
+                    local = train_step(plan, x, y, probe)
                 profiler.after(step)
-                states = plan.model_states()  # counted outside the timed step, before the gradients are freed
-                rec.held.append(states.total)
-                rec.allocated.append(instruments.allocated(device))
-                plan.zero_grad()
-                mine_loss, global_loss = torch.stack([local, plan.global_loss(local)]).tolist()  # one sync
-                rec.local.append(mine_loss)
-                losses.append(global_loss)
+                mine, global_ = torch.stack([local, global_loss(plan, local)]).tolist()  # one sync
+                probe.after_update(mine)  # model states before the gradients are freed
+                if engine is None:
+                    plan.optimizer.zero_grad(set_to_none=True)
+                losses.append(global_)
                 bar.update()
                 bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
                 if ft.end_of_step(step + 1, losses):  # preempted: saved (if there was time); stop here
@@ -160,15 +170,15 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     bar.close()
     faults = ft.finish()
     instruments.finish(cfg, device, rank)
-    ranks = gather_objects(rec.rank_figures(rank, world, states, plan))
-    n_params = GPT.count_params(model_cfg)
+    ranks = gather_objects(probe.rank_figures(rank))
     result = {
         "strategy": cfg.strategy, "world_size": world, "device": cfg.device, "steps": cfg.steps,
         "precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
-        "seed": cfg.seed, "batch_size": cfg.batch_size, "model": model_cfg.to_dict(), "n_params": n_params,
-        "grad_bytes": grad_bytes, "loss": losses, "step_time_s": rec.times, "ranks": ranks, "start_step": start,
-        "comm_counted": rec.mode, **faults, **instruments.speed(cfg, model_cfg, device, world, rec.times, rec.timed),
-        "predicted_model_state_bytes": plan.predicted_model_states(n_params), **plan.result_fields(ranks),
+        "seed": cfg.seed, "batch_size": cfg.batch_size, "model": model_cfg.to_dict(),
+        "n_params": GPT.count_params(model_cfg), "grad_bytes": grad_bytes, "loss": losses,
+        "step_time_s": probe.rec["times"], "ranks": ranks, "start_step": start, "comm_counted": probe.mode, **faults,
+        **instruments.speed(cfg, model_cfg, device, world, probe.rec["times"], probe.rec["timed"]),
+        **probe.result_fields(ranks),
     }
     if cfg.return_params:  # sharded parameters are gathered (a collective: every rank calls it)
         result["params"] = plan.full_state_dict()

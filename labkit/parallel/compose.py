@@ -1,0 +1,164 @@
+"""Placing the GPT on a device mesh: every parallelism in one function, composed in one order.
+
+:func:`parallelize` takes the plain GPT (the same weights on every rank) and the run's
+:class:`~labkit.parallel.mesh.ParallelDims`, and returns what this rank trains, a :class:`Placed`.
+The order is torchtitan's (its ``parallelize`` functions), each step one call into ``labkit.parallel``:
+
+1. **Pipeline stages** (``pp``): the layers cut into stages, this rank keeping its own
+   (:mod:`~labkit.parallel.pipeline_parallel`); every later step acts on each stage alone, as if it
+   were a model of its own.
+2. **Tensor parallelism** (``tp``, with sequence parallelism) inside each stage
+   (:mod:`~labkit.parallel.tensor_parallel`): it rewrites the weight matrices into DTensor shards
+   before anything else holds them.
+3. **Experts** (``ep``): this rank keeps its share of every MoE block's experts and routes tokens
+   to the others by all-to-all (:mod:`~labkit.parallel.expert_parallel`).
+4. **Context parallelism** (``cp``): ring attention over the cp group at zig-zag positions
+   (:mod:`~labkit.parallel.context_parallel`).
+5. **Activation checkpointing** per block (:mod:`~labkit.parallel.activation_checkpointing`): around
+   the block as TP left it, so recomputation replays TP's and the ring's collectives too, and inside
+   FSDP's hooks, which must gather the weights before the block runs at all.
+6. **Data parallelism** over the token ranks, last: FSDP2 or HSDP (:mod:`~labkit.parallel.fsdp`),
+   which shards whatever the earlier steps left (TP's shards become 2-D placements); or DDP and the
+   hand-written versions (:mod:`~labkit.parallel.data_parallel`) for a model only replicated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.nn as nn
+
+from labkit.core.model import GPT, blocks_of
+from labkit.parallel import pipeline_parallel as pipe
+from labkit.parallel.activation_checkpointing import apply as apply_checkpointing
+from labkit.parallel.mesh import ParallelDims
+from labkit.parallel.placed import Placed
+
+
+@dataclass(frozen=True)
+class Options:
+    """How each step of :func:`parallelize` is done, beyond the degrees."""
+
+    activation_checkpointing: str = "none"
+    sequence_parallel: bool = False
+    tp_impl: str = "dtensor"  # or "scratch": the hand-written column/row-parallel layers
+    # "fsdp" (FSDP2, HSDP, or replication through it), "ddp", "naive", "bucketed", or "none" (a
+    # hand-written ZeRO optimizer, or DeepSpeed's engine, synchronises the gradients itself)
+    dp_impl: str = "fsdp"
+    pipeline: bool = False  # run the pipeline schedule even on one stage (the ``pp`` strategies)
+    pp_impl: str = "torch"  # or "scratch": the hand-written schedules
+    pp_schedule: str = "1f1b"
+    microbatches: int = 1
+    rows: int = 1  # rows of the global batch this rank reads per step (its pipeline's microbatches)
+    precision: str = "fp32"
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    fsdp_bf16: bool = False
+    bucket_cap_mb: float = 25.0
+    ddp_hook: object = field(default=None, compare=False)  # a DDP comm hook (the emulated slow link)
+
+
+def parallelize(model: GPT, dims: ParallelDims, opts: Options, device: torch.device) -> Placed:
+    """This rank's part of ``model`` under the layout ``dims``, in the module docstring's order."""
+    d = dims.degrees
+    parts, pipeline_args = _stages(model, dims, opts) if opts.pipeline or d.pp > 1 else ([model], None)
+    if d.tp > 1:
+        from labkit.parallel import tensor_parallel as tpar
+
+        for part in parts:
+            if opts.tp_impl == "scratch":
+                tpar.parallelize_scratch(part, dims.group("tp"))
+            else:
+                tpar.parallelize_dtensor(part, dims.submesh("tp"), opts.sequence_parallel)
+    if model.config.moe_experts:
+        from labkit.parallel.expert_parallel import place_experts
+
+        for part in parts:
+            place_experts(part, dims)
+    for part in parts:
+        apply_checkpointing(part, opts.activation_checkpointing)
+    placed = Placed(model=model, module=model, dims=dims, parts=parts, scratch_tp=opts.tp_impl == "scratch" and d.tp > 1)
+    if pipeline_args is not None:
+        placed.module = placed.model = pipe.RankStages(parts)
+    _data_parallel(placed, opts, device)
+    # by name, once FSDP has replaced the parameters with its DTensor shards
+    placed.experts = {id(p) for name, p in placed.module.named_parameters() if ".experts." in name}
+    if d.cp > 1:  # after DDP's bucket-priming forward, a one-token batch the ring could not split
+        _context_parallel(placed, device)
+    if pipeline_args is not None:
+        from labkit.parallel.pipeline_runner import Pipeline
+
+        placed.pipeline = Pipeline(parts, placed.module, *pipeline_args, device=device, schedule=opts.pp_schedule,
+                                   microbatches=opts.microbatches, micro_shape=_micro_shape(model, dims, opts),
+                                   precision=opts.precision, impl=opts.pp_impl)
+        placed.tied = _tied_copy(placed)
+    return placed
+
+
+def _stages(model: GPT, dims: ParallelDims, opts: Options) -> tuple[list[pipe.GPTStage], tuple]:
+    """This rank's stages (two chunks per rank when interleaved: stages r and r + pp)."""
+    pp, rank = dims.degrees.pp, dims.coords["pp"]
+    n_stages = pp * pipe.VIRTUAL[opts.pp_schedule]
+    stages = [pipe.GPTStage(model, rank + k * pp, n_stages) for k in range(pipe.VIRTUAL[opts.pp_schedule])]
+    return stages, (n_stages, rank, pp, dims.group("pp"))
+
+
+def _micro_shape(model: GPT, dims: ParallelDims, opts: Options) -> tuple[int, int, int, int, int]:
+    """(rows, tokens, tokens between stages, hidden, vocab) of one microbatch on this rank."""
+    c, d = model.config, dims.degrees
+    tokens = c.block_size // d.cp
+    between = tokens // d.tp if opts.sequence_parallel and d.tp > 1 else tokens
+    return opts.rows // opts.microbatches, tokens, between, c.n_embd, c.vocab_size
+
+
+def _data_parallel(placed: Placed, opts: Options, device: torch.device) -> None:
+    dims = placed.dims
+    if dims.degrees.tokens == 1 or opts.dp_impl == "none":  # alone, or the optimizer synchronises
+        return
+    if opts.dp_impl == "fsdp":
+        from labkit.parallel.fsdp import apply_fsdp
+
+        expert_mesh = dims.expert_mesh()
+        # FSDP2 keeps the first stage's weights gathered across a pipeline's microbatches (as torchtitan)
+        placed.fsdp_roots = apply_fsdp(placed.parts, dims.dp_mesh(), opts.reshard_after_forward and not opts.pipeline,
+                                       opts.cpu_offload, opts.fsdp_bf16, expert_mesh, device)
+        # An expert's gradient holds the contributions of every token rank of its EP group; FSDP averaged
+        # it over the ranks holding that expert (or left it alone): what is left is a division by ep.
+        held_by = expert_mesh.size() if expert_mesh is not None else 1
+        placed.divide_experts = dims.degrees.tokens // held_by if dims.degrees.ep > 1 else None
+        return
+    from labkit.parallel import data_parallel as dp
+
+    if opts.dp_impl == "ddp":
+        placed.model = dp.wrap_ddp(placed.module, device, opts.bucket_cap_mb, group=dims.dense_group("replicate"))
+        if opts.ddp_hook is not None:
+            placed.model.register_comm_hook(None, opts.ddp_hook)
+    elif opts.dp_impl == "naive":
+        placed.model = dp.NaiveDataParallel(placed.module)
+    else:
+        placed.model = dp.BucketedDataParallel(placed.module, bucket_cap_mb=opts.bucket_cap_mb)
+
+
+def _context_parallel(placed: Placed, device: torch.device) -> None:
+    """Ring attention over the cp group in every block; the positions of this rank's zig-zag chunks."""
+    from labkit.parallel.context_parallel import ring_attention
+    from labkit.parallel.cp_layout import cp_positions
+
+    dims = placed.dims
+    positions = cp_positions(placed.module.config.block_size, dims.degrees.cp, dims.coords["cp"]).to(device)
+    for part in placed.parts:
+        for block in blocks_of(part):
+            block.attn.attend = partial(ring_attention, group=dims.group("cp"), causal=True, layout="zigzag",
+                                        stats=placed.kv_stats)
+        part.positions = positions
+
+
+def _tied_copy(placed: Placed) -> nn.Parameter | None:
+    """The tied embedding / head matrix this rank holds when stages split its two uses."""
+    pipeline = placed.pipeline
+    if placed.dims.degrees.pp == 1:
+        return None
+    if pipeline.first is not None:
+        return pipeline.first.wte.weight
+    return pipeline.last.head.weight if pipeline.last is not None else None

@@ -1,0 +1,213 @@
+"""One device mesh for every layout: the degree of each parallelism, and every process group a run uses.
+
+In the spirit of torchtitan's ``ParallelDims`` and picotron's process-group manager, a run's layout is
+six degrees whose product is the world size (:class:`Degrees`), and one object (:class:`ParallelDims`)
+builds the mesh once, with ``init_device_mesh``, and hands out every group, rank and world size that
+placing the model, reading the data, reducing the loss, clipping and checkpointing need. Nothing
+else in labkit builds a process group for a parallelism.
+
+Dimensions, outermost first. Ranks are numbered as ``init_device_mesh`` numbers them, the last
+dimension fastest, so an inner dimension's groups are neighbouring ranks: one node's GPUs.
+
+* ``pp``, pipeline stages: one activation per micro-batch to the next stage, the least traffic of
+  all, so stages may sit on different nodes (Narayanan et al. 2021, section 3.3).
+* ``dp_replicate``: copies of the model, their gradients all-reduced once per step (HSDP's replicate
+  dimension, Zhao et al. 2023): little traffic, across nodes.
+* ``dp_shard``: FSDP's shard group (ZeRO-3): an all-gather and a reduce-scatter per block.
+* ``ep``: experts split over ranks, two all-to-alls of tokens per MoE block each way.
+* ``cp``: each sequence split over ranks, its K and V passed round a ring in every attention.
+* ``tp``, innermost: four collectives of activations per block, on the critical path: NVLink only.
+
+Who holds what. The global batch's rows are split over ``dp_replicate x dp_shard x ep`` (the *data*
+ranks); ``cp`` splits each row's tokens; ``tp`` and ``pp`` ranks share rows. The ranks holding
+different tokens, ``dp_replicate x dp_shard x ep x cp`` (the *token* ranks), are data parallel for
+every dense weight: its gradient is averaged over them. With ``dp_shard > 1`` the dense weights are
+sharded (FSDP2) over ``dp_shard x ep x cp`` and replicated over ``dp_replicate`` (torchtitan shards
+over ``dp_shard x cp`` the same way); with ``dp_shard = 1`` they are replicated over every token rank.
+Experts are split over ``ep`` and sharded over ``dp_shard`` (replicated over ``dp_replicate``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch.distributed as dist
+
+from labkit.core.checks import positive_int
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """How many ranks each parallelism spans; their product is the world size."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    ep: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            positive_int(f.name, getattr(self, f.name))
+
+    @property
+    def world(self) -> int:
+        return math.prod(getattr(self, d) for d in DIMS)
+
+    @property
+    def data(self) -> int:
+        """Ranks reading different rows of the global batch."""
+        return self.dp_replicate * self.dp_shard * self.ep
+
+    @property
+    def tokens(self) -> int:
+        """Ranks holding different tokens: every dense gradient is averaged over them."""
+        return self.data * self.cp
+
+    @property
+    def shard(self) -> int:
+        """Ranks each dense weight is sharded over (FSDP's shard group; 1: replicated)."""
+        return self.dp_shard * self.ep * self.cp if self.dp_shard > 1 else 1
+
+    @property
+    def replicate(self) -> int:
+        """Copies of each dense weight's shard, all-reduced across."""
+        return self.tokens // self.shard
+
+    def check(self, world: int) -> None:
+        """A ValueError in one line unless the degrees multiply to ``world``."""
+        if self.world != world:
+            raise ValueError(f"the degrees {self.label()} multiply to {self.world}, not world_size={world}: "
+                             f"their product must equal the number of ranks")
+
+    def label(self) -> str:
+        """``"pp=2 dp_shard=2 tp=2"``: the degrees above 1 (``"single"`` when none)."""
+        return " ".join(f"{d}={getattr(self, d)}" for d in DIMS if getattr(self, d) > 1) or "single"
+
+    def flags(self) -> list[str]:
+        """The degree flags of ``python -m labkit.train`` for this layout."""
+        return [x for d in DIMS if getattr(self, d) > 1 for x in ("--" + d.replace("_", "-"), str(getattr(self, d)))]
+
+
+class ParallelDims:
+    """The mesh of a run and every group cut from it (a collective: every rank builds it, in order).
+
+    Views of one 1-D world mesh, unflattened as torchtitan does: ``mesh`` has the six dimensions of
+    :data:`DIMS` (size-1 ones too, so every slice exists); ``dense`` is ``(pp, replicate, shard, tp)``,
+    the data-parallel dimensions regrouped as FSDP2 takes them (module docstring).
+    """
+
+    def __init__(self, degrees: Degrees, device_type: str = "cpu") -> None:
+        self.degrees, self.device_type = degrees, device_type
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        degrees.check(self.world)
+        self.mesh = self.dense = None
+        # The token ranks of this rank's (pp, tp) place: the loss and MoE routing are summed over them.
+        self.tokens_group: dist.ProcessGroup | None = None
+        if self.world > 1:  # every group is built here, now, by every rank together
+            from torch.distributed.device_mesh import init_device_mesh
+
+            d = degrees
+            world = init_device_mesh(device_type, (self.world,), mesh_dim_names=("world",))
+            self.mesh = world._unflatten(0, tuple(getattr(d, n) for n in DIMS), DIMS)
+            self.dense = world._unflatten(0, (d.pp, d.replicate, d.shard, d.tp), ("pp", "replicate", "shard", "tp"))
+            if d.tokens > 1:
+                tokens = world._unflatten(0, (d.pp, d.tokens, d.tp), ("pp", "tokens", "tp"))
+                self.tokens_group = tokens["tokens"].get_group()
+        self.coords = self._coords()
+        self.pp_ends_group = self._pp_ends()
+
+    def _pp_ends(self) -> dist.ProcessGroup | None:
+        """The first and last pipeline stage at this rank's place in the other dimensions, the two holders
+        of the tied embedding / head matrix (Megatron-LM's embedding group): the pp group when pp = 2."""
+        pp = self.degrees.pp
+        if pp == 1:
+            return None
+        if pp == 2:
+            return self.group("pp")
+        stride, mine = self.world // pp, None
+        for q in range(stride):  # every rank takes part in creating every group, in the same order
+            group = dist.new_group([q, q + (pp - 1) * stride])
+            mine = group if self.rank % stride == q else mine
+        return mine
+
+    def _coords(self) -> dict[str, int]:
+        """This rank's place along each dimension (row-major over :data:`DIMS`, the last fastest)."""
+        out, rest = {}, self.rank
+        for d in reversed(DIMS):
+            n = getattr(self.degrees, d)
+            out[d], rest = rest % n, rest // n
+        return {d: out[d] for d in DIMS}
+
+    def __getattr__(self, name: str) -> int:  # ``dims.tp`` etc: the degrees
+        if name in DIMS:
+            return getattr(self.degrees, name)
+        raise AttributeError(name)
+
+    # -- groups, None where the dimension is 1 (nothing to talk to) --
+    def group(self, dim: str) -> dist.ProcessGroup | None:
+        """The group of ranks that differ only along ``dim`` (one of :data:`DIMS`)."""
+        return self.mesh[dim].get_group() if getattr(self.degrees, dim) > 1 else None
+
+    def dense_group(self, dim: str) -> dist.ProcessGroup | None:
+        """The ``replicate`` or ``shard`` group of the dense weights (module docstring)."""
+        return self.dense[dim].get_group() if self.dense is not None and self.dense[dim].size() > 1 else None
+
+    def submesh(self, dim: str):
+        """``dim``'s 1-D device mesh (DTensor's tensor-parallel mesh, torch's context_parallel)."""
+        return self.dense[dim] if dim in ("tp", "pp") else self.mesh[dim]
+
+    def dp_mesh(self):
+        """FSDP2's mesh for the dense weights: 1-D ``shard`` (FSDP), or 2-D ``(replicate, shard)`` (HSDP;
+        a shard dimension of 1 is pure replication); None on one token rank."""
+        d = self.degrees
+        if d.tokens == 1:
+            return None
+        return self.dense["shard"] if d.replicate == 1 else self.dense["replicate", "shard"]
+
+    def expert_mesh(self):
+        """FSDP2's mesh for this rank's experts, as :meth:`dp_mesh` over ``(dp_replicate, dp_shard)``;
+        None when no other rank holds them."""
+        d = self.degrees
+        if d.dp_replicate * d.dp_shard == 1:
+            return None
+        return self.mesh["dp_shard"] if d.dp_replicate == 1 else self.mesh["dp_replicate", "dp_shard"]
+
+
+    # -- this rank's place --
+    @property
+    def data_rank(self) -> int:
+        """Which share of every global batch this rank reads (row-major over dp_replicate, dp_shard, ep)."""
+        c, d = self.coords, self.degrees
+        return (c["dp_replicate"] * d.dp_shard + c["dp_shard"]) * d.ep + c["ep"]
+
+    @property
+    def data_world(self) -> int:
+        return self.degrees.data
+
+    @property
+    def tokens_rank(self) -> int:
+        """This rank's place among the token ranks: its rows, then its slice of them."""
+        return self.data_rank * self.degrees.cp + self.coords["cp"]
+
+    def pp_peer(self, stage_rank: int) -> int:
+        """The global rank of pipeline rank ``stage_rank`` at this rank's place in the other dimensions."""
+        stride = self.world // self.degrees.pp
+        return self.rank % stride + stage_rank * stride
+
+    def dim_of_groups(self) -> dict[str, str]:
+        """Each group's name -> the mesh dimension it spans (for counting bytes per dimension)."""
+        out: dict[str, str] = {}
+        if self.mesh is None:
+            return out
+        for view, names in ((self.dense, ("replicate", "shard")), (self.mesh, DIMS)):
+            for d in names:
+                if view[d].size() > 1:
+                    out.setdefault(view[d].get_group().group_name, d)
+        if self.tokens_group is not None:
+            out.setdefault(self.tokens_group.group_name, "tokens")
+        return out
+

@@ -1,0 +1,71 @@
+"""One step of a pipeline on this rank: the schedule's forward and backward, and the microbatches' loss.
+
+:class:`Pipeline` is what the training loop calls instead of its own forward and backward when the
+layers are split into stages (:mod:`labkit.parallel.pipeline_parallel` defines the stages and the
+schedules). The first stage feeds the rows, the last scores them; what the others return is zero.
+Every stage's forwards and backwards are recorded on ``timeline`` (the bubble is measured there) and
+the bytes kept for backward on ``meter``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from labkit.parallel import pipeline_parallel as pipe
+from labkit.parallel.pipeline_timeline import ActivationMeter, Timeline
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Pipeline:
+    """This rank's stages under a schedule: ``forward_backward(x, y)`` runs one step's microbatches.
+
+    ``micro_shape``: (rows, tokens, tokens between stages, hidden, vocab) of one microbatch.
+    ``impl``: ``"torch"`` (``torch.distributed.pipelining``) or ``"scratch"`` (the hand-written
+    schedules, one stage per rank). ``precision`` sets the logits' dtype the last stage sends back.
+    """
+
+    def __init__(self, stages: list[pipe.GPTStage], module: nn.Module, n_stages: int, pp_rank: int, pp: int,
+                 group, device: torch.device, schedule: str, microbatches: int, micro_shape: tuple,
+                 precision: str, impl: str = "torch") -> None:
+        self.stages, self.module, self.pp, self.impl = stages, module, pp, impl
+        self.schedule_name, self.microbatches, self.micro_shape, self.group = schedule, microbatches, micro_shape, group
+        self.meter = ActivationMeter(module)
+        self.timeline = Timeline(pp_rank, device, self.meter)
+        self.device, self.loss_scale, self.scaled = device, 1.0, False
+        self.act_dtype = torch.float32
+        if impl == "torch":
+            logits = AUTOCAST.get(precision, torch.float32)  # what autocast's head returns
+            self.schedule = pipe.build_schedule(stages, n_stages, device, self.timeline, microbatches, schedule,
+                                                micro_shape, logits, self._loss, group)
+
+    @property
+    def first(self) -> pipe.GPTStage | None:
+        return self.stages[0] if self.stages[0].first else None
+
+    @property
+    def last(self) -> pipe.GPTStage | None:
+        return self.stages[-1] if self.stages[-1].last else None
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = pipe.lm_loss(logits, targets)
+        return loss * self.loss_scale if self.scaled else loss
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_scale: float | None = None) -> torch.Tensor:
+        """Every microbatch's forward and backward; the mean loss of this rank's rows on the last stage
+        (zero elsewhere). ``loss_scale``: fp16's, multiplied into each microbatch's loss."""
+        self.scaled, self.loss_scale = loss_scale is not None, loss_scale or 1.0
+        losses: list[torch.Tensor] = []
+        with self.meter:
+            if self.impl == "scratch":
+                mb = self.micro_shape[0]
+                losses = pipe.scratch_step(self.stages[0], self.schedule_name, self.pp, list(x.split(mb)),
+                                           list(y.split(mb)), self.timeline, self.micro_shape[0:1] + self.micro_shape[2:4],
+                                           self.act_dtype, group=self.group, loss_scale=self.loss_scale)
+                return torch.stack(losses).mean() if self.last is not None else torch.zeros((), device=self.device)
+            kwargs = {"target": y, "losses": losses} if self.last is not None else {}
+            kwargs["return_outputs"] = False  # else the last stage keeps every microbatch's logits
+            self.schedule.step(*((x,) if self.first is not None else ()), **kwargs)
+        if self.last is None:
+            return torch.zeros((), device=self.device)
+        return torch.stack(losses).mean() / self.loss_scale

@@ -1,0 +1,44 @@
+"""How many of the GPT's parameters one rank holds under a layout, before data parallelism shards them.
+
+Tensor parallelism splits every weight matrix of a block and the column-parallel biases by ``tp``
+(LayerNorms, row-parallel biases, embeddings and the head stay whole; a mixture-of-experts block's
+router and experts are not split by TP); expert parallelism keeps ``E / ep`` experts per block; a
+pipeline stage holds its layers, the first the embeddings, the last the final norm and a copy of the
+tied head (:func:`labkit.parallel.pipeline_parallel.stage_params`). FSDP then divides what is left by
+its shard group, padding each tensor's first dimension to a multiple of it.
+"""
+from __future__ import annotations
+
+from labkit.core.model import GPTConfig
+from labkit.parallel.mesh import Degrees
+from labkit.parallel.pipeline_parallel import VIRTUAL, stage_bounds
+
+
+def layer_params(cfg: GPTConfig, tp: int = 1, ep: int = 1) -> tuple[int, int]:
+    """Parameters of one block on one rank: (dense, experts)."""
+    C, b = cfg.n_embd, int(cfg.bias)
+    norms = 2 * C * (1 + b)
+    attention = (4 * C * C + 3 * C * b) // tp + C * b  # Q, K, V and the output projection; its bias whole
+    if cfg.moe_experts:  # the router, and this rank's experts
+        return norms + attention + C * cfg.moe_experts, cfg.moe_experts // ep * (8 * C * C + 5 * C * b)
+    return norms + attention + (8 * C * C + 4 * C * b) // tp + C * b, 0
+
+
+def params_on_rank(cfg: GPTConfig, d: Degrees, pp_rank: int = 0, schedule: str | None = None) -> tuple[int, int]:
+    """Parameters rank ``pp_rank`` of the pipeline holds, (dense, experts) (``schedule``: the pipeline's,
+    None without one)."""
+    C, V = cfg.n_embd, cfg.vocab_size
+    embeddings, final_norm = V * C + cfg.block_size * C, C * (1 + int(cfg.bias))
+    dense, experts = layer_params(cfg, d.tp, d.ep)
+    if schedule is None:
+        return cfg.n_layer * dense + embeddings + final_norm, cfg.n_layer * experts
+    virtual = VIRTUAL[schedule]
+    n_stages = d.pp * virtual
+    held = [0, 0]
+    for k in range(virtual):
+        index = pp_rank + k * d.pp
+        lo, hi = stage_bounds(cfg.n_layer, n_stages)[index]
+        held[0] += (hi - lo) * dense + (embeddings if index == 0 else 0)
+        held[0] += (final_norm + (V * C if n_stages > 1 else 0)) if index == n_stages - 1 else 0
+        held[1] += (hi - lo) * experts
+    return held[0], held[1]

@@ -1,0 +1,150 @@
+"""What the loop measures around each step, kept out of the step: time, bytes, memory, routing.
+
+One :class:`Probe` per run. Around every step (:meth:`Probe.step`) it times the step with the device
+synchronised and, when due (``count_comm``), counts every collective with one
+:class:`~labkit.comm.counter.CommCounter`, by op and by mesh dimension; the step calls
+:meth:`Probe.mark` once, after forward and backward, to split what they sent from the update's.
+After the step it reads what the placement recorded (a pipeline's timeline, ring attention's K/V
+bytes, the experts' all-to-alls and routing) and the model states this rank holds.
+:meth:`Probe.rank_figures` and :meth:`Probe.result_fields` (:mod:`labkit.train.figures`) turn them
+into the run's metrics.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from labkit.comm.counter import CommCounter, ring_volume
+from labkit.core.devices import synchronize
+from labkit.memory.calculator import ModelStates
+from labkit.memory.probe import measured_model_states
+from labkit.train import instruments
+
+if TYPE_CHECKING:
+    from labkit.train.plans import Plan
+
+
+def _routing(module: torch.nn.Module) -> list[dict] | None:
+    """Each MoE block's routing in the last forward, as plain numbers (None for a dense model)."""
+    stats = module.moe_stats() if hasattr(module, "moe_stats") else []
+    return [{"routed": s.routed, "kept": s.kept, "dropped": s.dropped, "tokens": s.tokens, "capacity": s.capacity,
+             "aux": s.aux} for s in stats] or None
+
+
+class Probe:
+    """Per-step records of one rank's run (see the module docstring)."""
+
+    def __init__(self, plan: Plan, steps: int) -> None:
+        self.plan, self.cfg, self.device, self.steps = plan, plan.cfg, plan.device, steps
+        mode = self.cfg.count_comm
+        self.mode = mode if mode != "auto" else ("last" if self.device.type == "cuda" else "every")
+        self.dims_of = plan.dims.dim_of_groups()
+        self.counter: CommCounter | None = None
+        self.fwd_bwd: dict[str, int] | None = None
+        self.states: ModelStates | None = None
+        self.rec: dict[str, list] = {k: [] for k in (
+            "times", "timed", "comm", "calls", "by_dim", "fwd_bwd", "held", "allocated", "local", "kv", "a2a",
+            "routing", "peaks")}
+
+    def counted(self, step: int) -> bool:
+        """Whether ``step`` runs under the collective counter (its Python dispatch costs time)."""
+        return self.mode == "every" or (self.mode == "last" and step == self.steps - 1)
+
+    @contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Time (and, when due, count) one step, the device synchronised at both ends."""
+        placed, counted = self.plan.placed, self.counted(step)
+        pipeline = placed.pipeline
+        if pipeline is not None:
+            if self.plan.dims.group("pp") is not None:
+                dist.barrier(group=self.plan.dims.group("pp"))  # the common start of the step's timeline
+            pipeline.timeline.start()
+        placed.kv_stats.clear()
+        self.fwd_bwd = None
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        with ExitStack() as stack:
+            self.counter = stack.enter_context(CommCounter()) if counted else None
+            a2a = None
+            if counted and placed.experts and self.plan.dims.degrees.ep > 1:
+                from labkit.parallel.expert_parallel import record_all_to_all
+
+                a2a = stack.enter_context(record_all_to_all())
+            yield
+        synchronize(self.device)
+        self._record(time.perf_counter() - t0, counted, a2a)
+
+    def mark(self) -> None:
+        """Forward and backward are done: what they sent so far is theirs."""
+        if self.counter is not None:
+            self.fwd_bwd = dict(self.counter.bytes)
+
+    def after_backward(self, engine: Any) -> None:
+        """DeepSpeed's engine, between backward and its step (its step frees the gradients)."""
+        from labkit.memory.deepspeed_states import model_states
+
+        self.mark()
+        self.states = model_states(engine)
+
+    def _record(self, seconds: float, counted: bool, a2a: dict | None) -> None:
+        placed, rec, c = self.plan.placed, self.rec, self.counter
+        rec["times"].append(seconds)
+        rec["timed"].append(not counted)
+        rec["comm"].append(dict(c.bytes) if c else None)
+        rec["calls"].append(dict(c.calls) if c else None)
+        rec["by_dim"].append({self.dims_of.get(g, "other"): dict(ops) for g, ops in c.by_group.items()} if c else None)
+        rec["fwd_bwd"].append(self.fwd_bwd if c else None)
+        rec["kv"].append(placed.kv_stats.get("forward_bytes", 0) + placed.kv_stats.get("backward_bytes", 0))
+        rec["a2a"].append(a2a["bytes"] if a2a is not None else None)
+        rec["routing"].append(_routing(placed.module))
+        if placed.pipeline is not None:
+            placed.pipeline.timeline.finish()
+            rec["peaks"].append(placed.pipeline.meter.peak)
+        self.counter = None
+
+    def after_update(self, local: float) -> None:
+        """The model states this rank holds after the step (before the gradients are freed: at their fullest)."""
+        if self.plan.engine is None:
+            self.states = measured_model_states(self.plan.placed.model, self.plan.optimizer)
+        self.rec["held"].append(self.states.total)
+        self.rec["allocated"].append(instruments.allocated(self.device))
+        self.rec["local"].append(local)
+
+    def rank_figures(self, rank: int) -> dict:
+        rec, world, states = self.rec, self.plan.dims.world, self.states
+
+        def per_step(f):
+            return [f(b) if b is not None else None for b in rec["comm"]]
+
+        out = {"rank": rank, "step_time_s": rec["times"], "step_timed_without_counter": rec["timed"],
+               "allreduce_bytes_per_step": per_step(lambda b: b.get("allreduce", 0)),
+               "allreduce_calls_per_step": [c.get("allreduce", 0) if c is not None else None for c in rec["calls"]],
+               "comm_bytes_per_step": rec["comm"], "comm_calls_per_step": rec["calls"],
+               "comm_volume_per_step": per_step(lambda b: ring_volume(b, world)),
+               "comm_bytes_by_mesh_dim_per_step": rec["by_dim"], "fwd_bwd_comm_bytes_per_step": rec["fwd_bwd"],
+               "model_state_bytes": asdict(states) | {"total": states.total} if states else None,
+               "model_state_bytes_per_step": rec["held"], "local_loss": rec["local"],
+               "cuda_allocated_after_step": rec["allocated"],
+               "peak_memory_bytes": instruments.peak_memory(self.device), "coords": self.plan.dims.coords}
+        if self.plan.dims.degrees.cp > 1:
+            out["kv_bytes_per_step"] = rec["kv"]
+        if any(a is not None for a in rec["a2a"]):
+            out["all_to_all_bytes_per_step"] = rec["a2a"]
+        if any(rec["routing"]):
+            out["routing_per_step"] = rec["routing"]
+        pipeline = self.plan.placed.pipeline
+        if pipeline is not None:
+            from labkit.train.figures import pipeline_rank_figures
+
+            out.update(pipeline_rank_figures(pipeline, rec["peaks"]))
+        return out
+
+    def result_fields(self, ranks: list[dict]) -> dict[str, Any]:
+        from labkit.train.figures import layout_fields
+
+        return layout_fields(self.plan, ranks)
