@@ -228,7 +228,7 @@ class Checkpointer:
         """Problems found in checkpoint ``step`` (empty when every file matches its manifest)."""
         return loading.verify(self.dir / self.name(step), self.rank, self.world, self._gather)
 
-    def load_latest(self, template: dict | None = None, check: Callable[[dict], None] | None = None,
+    def load_latest(self, template: dict | None = None, check: Callable[[dict], bool | None] | None = None,
                     if_unusable: str = "raise") -> tuple[int, dict] | None:
         """The newest checkpoint that verifies and loads safely, as ``(step, state)``; None if there is none.
 
@@ -236,7 +236,9 @@ class Checkpointer:
         place into the template's tensors, resharded by DCP to this world size; a DeepSpeed engine in
         the template loads itself. Without it, every tensor loads whole on the CPU. ``check`` sees the
         plain values (tensors not yet read) and may raise to refuse a checkpoint of another run: a
-        damaged checkpoint is skipped, a mismatched one is an error, not a reason to start over. When
+        damaged checkpoint is skipped, a mismatched one is an error, not a reason to start over; it
+        returns True when the run's layout differs from the saver's (each rank then reads what its
+        template needs of every rank's part, and no rank's own values such as RNG states). When
         checkpoints exist and none is usable, a CheckpointError lists each and why; with
         ``if_unusable="start_over"`` None is returned instead (a deliberate restart from step 0).
         """
@@ -250,9 +252,8 @@ class Checkpointer:
             if not problems:
                 try:
                     saved = self._open(step)
-                    if check is not None:
-                        check(saved["skeleton"])
-                    state = self._read(step, saved, template)
+                    moved = bool(check(saved["skeleton"])) if check is not None else False
+                    state = self._read(step, saved, template, moved)
                 except (CheckpointError, dcp.CheckpointException) as e:  # DCP's is a BaseException
                     problems = [f"refused to load: {describe(e)}"]
             if problems:
@@ -275,10 +276,13 @@ class Checkpointer:
         """This rank's plain values, after every file that will be unpickled passed the safe unpicklers."""
         return loading.open_plain(self.dir / self.name(step), self.rank, self.world, self._gather)
 
-    def _read(self, step: int, saved: dict, template: dict | None) -> dict:
-        same_world = self.manifest(step)["world_size"] == self.world
-        return loading.agreed(lambda: loading.read_state(self.dir / self.name(step), step, saved, template,
-                                                         self.rank, same_world, self.pg, self.dist),
+    def _read(self, step: int, saved: dict, template: dict | None, moved: bool = False) -> dict:
+        path, same_world = self.dir / self.name(step), self.manifest(step)["world_size"] == self.world
+        # every rank agrees on what it reads before any enters DCP's collective load
+        planned = loading.agreed(lambda: loading.plan_read(path, step, saved, template, self.rank, same_world, moved),
+                                 self.rank, self._gather)
+        return loading.agreed(lambda: loading.read_planned(path, planned, saved["engines"], template, self.pg,
+                                                           self.dist),
                               self.rank, self._gather)
 
     def close(self) -> None:

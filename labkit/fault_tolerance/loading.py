@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from labkit.fault_tolerance import directory as ckdir
 from labkit.fault_tolerance.files import (
+    TENSOR,
     CheckpointError,
     SafeReader,
     deepspeed_safe_globals,
@@ -109,12 +110,46 @@ def merged_skeleton(path: Path) -> dict:
     return out
 
 
-def read_state(path: Path, step: int, saved: dict, template: dict | None, rank: int, same_world: bool,
-               pg: dist.ProcessGroup | None, distributed: bool) -> dict:
-    """The state saved at ``path``: tensors into ``template``'s (resharded by DCP) or, without one,
-    whole on the CPU; DeepSpeed engines in the template load themselves."""
+def overlay(mine: Any, saved: Any) -> Any:
+    """The template's structure with the saved plain values: this rank's own tensors (and names of
+    parameters) where another layout saved other ranks' parts, every other value as it was saved."""
+    if isinstance(mine, dict) and isinstance(saved, dict):
+        if set(mine) == {TENSOR}:
+            return mine
+        return {k: overlay(v, saved[k]) if k in saved else v for k, v in mine.items()}
+    if isinstance(mine, list) and isinstance(saved, list):
+        if all(isinstance(x, str) for x in mine + saved):
+            return mine
+        if len(mine) == len(saved):
+            return [overlay(x, y) for x, y in zip(mine, saved)]
+    return saved
+
+
+def _resharded(path: Path, step: int, template: dict) -> tuple[dict, dict]:
+    """For a rank of another layout: the template's tensors that the checkpoint holds (any rank's part)
+    and the state's skeleton; a ValueError when the template asks for a tensor no rank saved."""
+    merged, flat = merged_skeleton(path), {}
+    skeleton = overlay(split({k: v for k, v in template.items() if k != LOCAL and not is_engine(v)}, (), flat),
+                       {k: v for k, v in merged.items()})
+    missing = sorted(set(flat) - tensor_keys(merged))
+    if missing:
+        raise ValueError(f"step {step} lacks {len(missing)} tensor(s) this layout needs, e.g. {missing[:3]}; "
+                         "it was saved by another model or optimizer")
+    return flat, skeleton
+
+
+def plan_read(path: Path, step: int, saved: dict, template: dict | None, rank: int, same_world: bool,
+              moved: bool = False) -> tuple[dict, Any, Any]:
+    """What this rank will read of the checkpoint at ``path`` (no collective: every check that can refuse
+    it happens here, before any rank enters DCP's load): ``(tensors by key, skeleton, own values)``.
+
+    With ``template`` the tensors load into its own (resharded by DCP); without one, whole on the CPU.
+    ``moved``: the run's layout is not the one that saved: each rank takes what it needs of every
+    rank's part, and no rank's own values (its RNG states belong to the old ranks)."""
     own = path / f"rank{rank}.pt"
-    files = set(ckdir.files_of(path)[0])
+    if template is not None and moved:
+        flat, skeleton = _resharded(path, step, template)
+        return flat, skeleton, None
     if template is None:  # whole tensors: every rank's part (pipeline stages save different ones)
         saved = dict(saved, skeleton=merged_skeleton(path))
     wanted = tensor_keys(saved["skeleton"])
@@ -125,21 +160,30 @@ def read_state(path: Path, step: int, saved: dict, template: dict | None, rank: 
         missing = sorted(wanted - set(flat))
         if missing:  # a template of another model or optimizer: refuse rather than fill in None
             raise ValueError(f"step {step} holds {len(missing)} tensor(s) the template lacks, e.g. "
-                                  f"{missing[:3]}; pass a template built like the saved state, or no template")
-        if flat:
-            dcp.load(flat, storage_reader=SafeReader(path, files), process_group=pg, no_dist=not distributed)
+                             f"{missing[:3]}; pass a template built like the saved state, or no template")
         for key in saved["engines"]:
             if key not in template:
                 raise ValueError(f"step {step} holds a DeepSpeed engine under {key!r}; pass it in the template")
-            template[key].load_checkpoint(str(path / key), tag="ckpt", load_module_strict=True)
     else:
-        md = read_metadata(path, files) if wanted else None
+        md = read_metadata(path, set(ckdir.files_of(path)[0])) if wanted else None
         flat = {k: torch.empty(md.state_dict_metadata[k].size, dtype=md.state_dict_metadata[k].properties.dtype)
                 for k in wanted}
-        if flat:
-            dcp.load(flat, storage_reader=SafeReader(path, files), no_dist=True)
-    state = fill(saved["skeleton"], flat)
-    state[LOCAL] = saved["local"] if same_world and own.exists() else None
-    for key in saved["engines"]:
+    return flat, saved["skeleton"], saved["local"] if same_world and own.exists() else None
+
+
+def read_planned(path: Path, planned: tuple[dict, Any, Any], engines: list[str], template: dict | None,
+                 pg: dist.ProcessGroup | None, distributed: bool) -> dict:
+    """Load what :func:`plan_read` planned (DCP's collective load, DeepSpeed engines' own) into a state."""
+    flat, skeleton, local = planned
+    files = set(ckdir.files_of(path)[0])
+    if flat:
+        together = template is not None and distributed
+        dcp.load(flat, storage_reader=SafeReader(path, files), process_group=pg if together else None,
+                 no_dist=not together)
+    for key in engines if template is not None else []:
+        template[key].load_checkpoint(str(path / key), tag="ckpt", load_module_strict=True)
+    state = fill(skeleton, flat)
+    state[LOCAL] = local
+    for key in engines:
         state[key] = template[key] if template is not None else None
     return state

@@ -32,18 +32,31 @@ def _unwrap(model):
     return getattr(model, "module", model)  # DDP and the hand-written data parallels keep it in .module
 
 
+def _renamed(osd: dict, names: dict[str, str]) -> dict:
+    """An optimizer state dict (DCP's, keyed by parameter name) with parameters renamed."""
+    if not names:
+        return osd
+    return {**osd, "state": {names.get(k, k): v for k, v in osd["state"].items()},
+            "param_groups": [{**g, "params": [names.get(p, p) for p in g["params"]]} for g in osd["param_groups"]]}
+
+
 def training_state(step: int, meta: dict, losses: list[float],
                    model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                    scheduler: LRScheduler | None = None, engine: DeepSpeedEngine | None = None,
-                   scaler: torch.amp.GradScaler | None = None) -> dict:
-    """The state a resume needs, ready for :meth:`labkit.fault_tolerance.Checkpointer.save`."""
+                   scaler: torch.amp.GradScaler | None = None, aliases: dict[str, str] | None = None) -> dict:
+    """The state a resume needs, ready for :meth:`labkit.fault_tolerance.Checkpointer.save`.
+
+    ``aliases``: parameters whose optimizer state is saved under another's name (a pipeline's last stage
+    holds a copy of the tied embedding as ``head.weight``; one process keeps that state as ``wte.weight``),
+    so the checkpoint reads the same whichever layout wrote it."""
     state = {"step": step, "meta": meta, "losses": list(losses), LOCAL: {"rng": rng_state()}}
     if engine is not None:  # DeepSpeed: model, optimizer partitions and its scheduler in its own format
         state["engine"] = engine
         return state
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    state["model"], state["optim"] = get_state_dict(_unwrap(model), optimizer)
+    state["model"], osd = get_state_dict(_unwrap(model), optimizer)
+    state["optim"] = _renamed(osd, aliases or {})
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     if scaler is not None:  # fp16 loss scale and its growth counter
@@ -80,7 +93,7 @@ def restore(ckpt: Checkpointer, meta: dict,
             model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
             scheduler: LRScheduler | None = None, engine: DeepSpeedEngine | None = None,
             scaler: torch.amp.GradScaler | None = None,
-            if_unusable: str = "raise") -> tuple[int, list[float], list[str]]:
+            if_unusable: str = "raise", aliases: dict[str, str] | None = None) -> tuple[int, list[float], list[str]]:
     """Load the newest good checkpoint into the live objects: ``(start_step, losses, notes)``.
 
     ``(0, [], [])`` when there is none. Raises ValueError for a checkpoint of a different run, and
@@ -89,9 +102,14 @@ def restore(ckpt: Checkpointer, meta: dict,
     if not ckpt.steps():
         return 0, [], []
     # get_state_dict gives a fresh optimizer its state (a zero-gradient step at lr 0) to load into
-    template = training_state(0, meta, [], model, optimizer, scheduler, engine, scaler)
+    template = training_state(0, meta, [], model, optimizer, scheduler, engine, scaler, aliases)
     notes: list[str] = []
-    got = ckpt.load_latest(template, check=lambda saved: notes.extend(check_compatible(saved["meta"], meta)),
+    def check(saved: dict) -> bool:  # True: another layout saved it
+        moved = check_compatible(saved["meta"], meta)
+        notes.extend(moved)
+        return bool(moved)
+
+    got = ckpt.load_latest(template, check=check,
                            if_unusable=if_unusable)
     if got is None:  # none verified and asked to start over, as a run without checkpoints would
         if optimizer is not None and engine is None:
@@ -101,7 +119,9 @@ def restore(ckpt: Checkpointer, meta: dict,
     if engine is None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        set_state_dict(_unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        back = {v: k for k, v in (aliases or {}).items()}
+        set_state_dict(_unwrap(model), optimizer, model_state_dict=state["model"],
+                       optim_state_dict=_renamed(state["optim"], back))
         if scheduler is not None:
             scheduler.load_state_dict(state["scheduler"])
         if scaler is not None:

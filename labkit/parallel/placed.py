@@ -85,6 +85,13 @@ class Placed:
         return tuple(g for g in groups if g is not None and dist.get_world_size(g) > 1)
 
     @property
+    def state_aliases(self) -> dict[str, str]:
+        """Parameters whose optimizer state a checkpoint keeps under another's name: the last stage's
+        copy of the tied matrix, under the embedding's (as one process keeps it), so that a checkpoint
+        reads the same whichever layout wrote it."""
+        return {"head.weight": "wte.weight"} if self.norm_skip else {}
+
+    @property
     def norm_skip(self) -> list[torch.Tensor]:
         """Copies counted elsewhere: the last stage's head, whose twin on the first stage is counted."""
         last = self.pipeline.last if self.pipeline is not None else None

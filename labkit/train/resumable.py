@@ -31,8 +31,9 @@ class Resumable:
     def __init__(self, cfg: TrainConfig, meta: dict,
                  model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  scheduler: LRScheduler | None = None, engine: DeepSpeedEngine | None = None,
-                 scaler: torch.amp.GradScaler | None = None) -> None:
+                 scaler: torch.amp.GradScaler | None = None, aliases: dict[str, str] | None = None) -> None:
         self.cfg, self.meta, self.objs = cfg, meta, (model, optimizer, scheduler, engine, scaler)
+        self.aliases = aliases or {}  # parameters whose optimizer state is saved under another's name
         self.log = StepLog(cfg.step_log)
         self.ckpt = None
         if cfg.checkpoint_dir:  # DCP imports in ~1 s: only runs that checkpoint pay for it
@@ -58,7 +59,8 @@ class Resumable:
             from labkit.fault_tolerance.resume import restore
 
             step, losses, self.notes = restore(self.ckpt, self.meta, *self.objs,
-                                               if_unusable="start_over" if self.cfg.restart_if_unusable else "raise")
+                                               if_unusable="start_over" if self.cfg.restart_if_unusable else "raise",
+                                               aliases=self.aliases)
         except BaseException:
             self.ckpt.close()
             raise
@@ -75,7 +77,7 @@ class Resumable:
         self._record(self.ckpt.wait())
         from labkit.fault_tolerance.resume import training_state
 
-        stats = self.ckpt.save(step, training_state(step, self.meta, losses, *self.objs))
+        stats = self.ckpt.save(step, training_state(step, self.meta, losses, *self.objs, aliases=self.aliases))
         self._last_saved = step
         self.log.event("save", step=step, blocking_s=stats.blocking_s, is_async=not stats.done)
         if stats.done:
