@@ -142,7 +142,8 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None, causal: bool,
                 layout: str, stats: dict | None) -> Tensor:
-        out, lse = _ring_forward(q, k, v, group, causal, layout, stats)
+        with torch.autocast(q.device.type, enabled=False):  # the blocks compute in fp32 whatever calls them
+            out, lse = _ring_forward(q, k, v, group, causal, layout, stats)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (group, causal, layout, stats)
         return out.to(q.dtype)
@@ -150,7 +151,8 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, *ctx.args)
+        with torch.autocast(q.device.type, enabled=False):  # a pipeline runs backward under autocast too
+            dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, *ctx.args)
         return dq, dk, dv, None, None, None, None
 
 

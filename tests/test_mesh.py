@@ -1,0 +1,107 @@
+"""Parallelisms composed on one device mesh (labkit.parallel.mesh, labkit.parallel.compose), held
+against one process: the issue's grid of layouts on 8 CPU ranks over gloo, fp32 for 10 steps and bf16
+autocast, checkpoints resumed bit for bit in the same layout and resharded into others, the model
+states each rank holds against the exact count and the calculator."""
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+
+import pytest
+
+from mesh_fns import runs
+from labkit.core.model import GPTConfig
+from labkit.launch import launch
+from labkit.parallel.mesh import Degrees
+from labkit.train import TrainConfig, train
+
+MODEL = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16)
+MOE = replace(MODEL, moe_experts=4, moe_top_k=2)
+# The grid the issue names: TP x PP x DP, TP x CP x FSDP, PP x CP x FSDP, HSDP x TP, and a mixture of
+# experts with EP x FSDP x TP (every one on 8 ranks)
+LAYOUTS = {"tp2 pp2 dp2": (dict(tp=2, pp=2, dp_shard=2), MODEL),
+           "tp2 cp2 fsdp2": (dict(tp=2, cp=2, dp_shard=2), MODEL),
+           "pp2 cp2 fsdp2": (dict(pp=2, cp=2, dp_shard=2), MODEL),
+           "hsdp2x2 tp2": (dict(dp_replicate=2, dp_shard=2, tp=2), MODEL),
+           "moe ep2 fsdp2 tp2": (dict(ep=2, dp_shard=2, tp=2), MOE)}
+STEPS, BF16_STEPS, SAVE_AT = 10, 3, 5
+BASE = TrainConfig(steps=STEPS, batch_size=8, lr=3e-3, count_comm="none")
+FP32_TOL = 1e-5  # measured: at most 1e-6 in loss over 10 steps, every layout
+BF16_TOL = 2e-2  # bf16 autocast: each layout sums in another order than one process
+
+
+def _cfg(degrees: dict, **kw) -> TrainConfig:
+    micro = {"microbatches": 2} if degrees.get("pp", 1) > 1 else {}
+    return replace(BASE, strategy="mesh", **degrees, **micro, **kw)
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    """Every layout in fp32 (checkpointing at step 5 and 10) and in bf16, in one 8-rank launch; the
+    one-process references."""
+    root = tmp_path_factory.mktemp("mesh")
+    jobs = [(_cfg(d, checkpoint_dir=str(root / name), save_every=SAVE_AT, return_params=True), m)
+            for name, (d, m) in LAYOUTS.items()]
+    jobs += [(_cfg(d, steps=BF16_STEPS, precision="bf16"), m) for d, m in LAYOUTS.values()]
+    got = launch(runs, jobs, world_size=8, timeout=900, quiet=True)[0]
+    n = len(LAYOUTS)
+    refs = {}
+    for m in (MODEL, MOE):
+        refs[m] = {"fp32": train(replace(BASE, return_params=True), m),
+                   "bf16": train(replace(BASE, steps=BF16_STEPS, precision="bf16"), m)}
+    return {"root": root, "fp32": dict(zip(LAYOUTS, got[:n])), "bf16": dict(zip(LAYOUTS, got[n:])), "refs": refs}
+
+
+def _diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_layout_trains_as_one_process_in_fp32_and_bf16(grid, name):
+    degrees, model = LAYOUTS[name]
+    r, ref = grid["fp32"][name], grid["refs"][model]
+    assert r["degrees"] == {**Degrees().__dict__, **degrees} and len(r["loss"]) == STEPS
+    assert _diff(r["loss"], ref["fp32"]["loss"]) < FP32_TOL, name
+    params = max((r["params"][k] - v).abs().max().item() for k, v in ref["fp32"]["params"].items())
+    assert set(r["params"]) == set(ref["fp32"]["params"]) and params < 1e-4, (name, params)
+    assert _diff(grid["bf16"][name]["loss"], ref["bf16"]["loss"]) < BF16_TOL, name
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_each_rank_holds_the_model_states_the_layout_predicts(grid, name):
+    r = grid["fp32"][name]
+    want = r["predicted_model_state_bytes"]
+    for rank in r["ranks"]:  # every rank: each pipeline stage, expert share and shard
+        got = rank["model_state_bytes"]
+        assert got["params"] == got["grads"], name
+    # rank 0's states, exact: its share of the layers, TP's splits, its experts, FSDP's shard; AdamW
+    # keeps a 4-byte step count per parameter tensor besides its two moments
+    got, tensors = r["ranks"][0]["model_state_bytes"], len(grid["refs"][LAYOUTS[name][1]]["fp32"]["params"])
+    assert got["params"] == want["params"] and 0 <= got["optimizer"] - want["optimizer"] <= 4 * tensors, name
+
+
+def _only_step(src, dst, step: int) -> None:
+    """A copy of the checkpoint directory ``src`` as it was when ``step`` was the newest checkpoint."""
+    shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if n.startswith("step_")
+                                                       and n != f"step_{step:08d}"])
+    (dst / "latest").write_text(f"step_{step:08d}")
+
+
+def test_every_layout_resumes_bit_for_bit_and_reshards_into_others(grid):
+    root = grid["root"]
+    jobs = []
+    for name, (degrees, model) in LAYOUTS.items():
+        _only_step(root / name, root / f"{name}-resume", SAVE_AT)
+        jobs.append((_cfg(degrees, checkpoint_dir=str(root / f"{name}-resume")), model))
+    _only_step(root / "tp2 pp2 dp2", root / "as-fsdp", SAVE_AT)  # TP x PP x DP, resumed as FSDP on 8 ranks
+    jobs.append((replace(BASE, strategy="fsdp", checkpoint_dir=str(root / "as-fsdp")), MODEL))
+    got = launch(runs, jobs, world_size=8, timeout=900, quiet=True)[0]
+    for name, r in zip(LAYOUTS, got):
+        assert r["start_step"] == SAVE_AT and r["loss"] == grid["fp32"][name]["loss"], name  # bit for bit
+    uninterrupted = grid["fp32"]["tp2 pp2 dp2"]["loss"]
+    assert got[-1]["start_step"] == SAVE_AT and "resharded from mesh x8 to fsdp x8" in got[-1]["resume_notes"][0]
+    assert _diff(got[-1]["loss"], uninterrupted) < FP32_TOL
+    _only_step(root / "tp2 pp2 dp2", root / "as-one", SAVE_AT)  # ... and as one process
+    one = train(replace(BASE, checkpoint_dir=str(root / "as-one")), MODEL)
+    assert one["start_step"] == SAVE_AT and _diff(one["loss"], uninterrupted) < FP32_TOL
