@@ -4,8 +4,15 @@ autocast, checkpoints resumed bit for bit in the same layout and resharded into 
 states each rank holds against the exact count and the calculator."""
 from __future__ import annotations
 
+import json
+import os
+import re
+import shlex
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +31,7 @@ LAYOUTS = {"tp2 pp2 dp2": (dict(tp=2, pp=2, dp_shard=2), MODEL),
            "pp2 cp2 fsdp2": (dict(pp=2, cp=2, dp_shard=2), MODEL),
            "hsdp2x2 tp2": (dict(dp_replicate=2, dp_shard=2, tp=2), MODEL),
            "moe ep2 fsdp2 tp2": (dict(ep=2, dp_shard=2, tp=2), MOE)}
+ROOT = Path(__file__).resolve().parent.parent
 STEPS, BF16_STEPS, SAVE_AT = 10, 3, 5
 BASE = TrainConfig(steps=STEPS, batch_size=8, lr=3e-3, count_comm="none")
 FP32_TOL = 1e-5  # measured: at most 1e-6 in loss over 10 steps, every layout
@@ -105,3 +113,23 @@ def test_every_layout_resumes_bit_for_bit_and_reshards_into_others(grid):
     _only_step(root / "tp2 pp2 dp2", root / "as-one", SAVE_AT)  # ... and as one process
     one = train(replace(BASE, checkpoint_dir=str(root / "as-one")), MODEL)
     assert one["start_step"] == SAVE_AT and _diff(one["loss"], uninterrupted) < FP32_TOL
+
+
+def test_the_chooser_prints_a_layout_and_the_command_that_runs_it_as_printed():
+    """`python -m labkit.memory ... --json` gives the recommendation's degrees and the exact torchrun
+    command; for a small GPT on 8 devices whose memory only a composed layout fits, that command runs."""
+    ask = ["--family", "gpt", "--hidden", "64", "--layers", "4", "--heads", "4", "--vocab", "256", "--seq-len", "512",
+           "--devices", "8", "--device-gb", "0.0025", "--micro-batch", "1", "--tokens", str(2 * 8 * 512),
+           "--train-device", "cpu", "--json"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    plan = json.loads(subprocess.run([sys.executable, "-m", "labkit.memory", *ask], capture_output=True, text=True,
+                                     env=env, timeout=120, check=True).stdout)
+    run = plan["run"]
+    assert plan["fits"] and not plan["stages"][0]["fits"]  # plain data parallelism would not fit
+    assert run["degrees"]["cp"] * run["degrees"]["tp"] * run["degrees"]["pp"] > 1, run  # a composed layout
+    argv = shlex.split(run["command"])
+    assert argv[0] == "torchrun" and "--steps" in argv and argv[argv.index("--device") + 1] == "cpu"
+    argv[0] = str(Path(sys.executable).parent / "torchrun")  # the venv's torchrun: the same program
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert re.search(r"mesh on 8 rank\(s\): steps 0\.\.2, loss \d", proc.stdout), proc.stdout[-2000:]

@@ -33,10 +33,6 @@ def check_layout(d: Degrees, model: GPTConfig, rows: int | None = None, microbat
         if model.dropout:
             raise ValueError(f"dropout={model.dropout} is not supported with cp={d.cp}: ring attention has no "
                              "attention dropout; use dropout=0")
-        if activation_checkpointing != "none":
-            raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not supported with cp={d.cp}: "
-                             "recomputing a block would run the ring's exchanges again inside backward; use 'none' "
-                             "(context parallelism already divides activations by cp)")
     _check_experts(d, model, sequence_parallel)
 
 

@@ -131,7 +131,7 @@ def _data_parallel(placed: Placed, opts: Options, device: torch.device) -> None:
     from labkit.parallel import data_parallel as dp
 
     if opts.dp_impl == "ddp":
-        placed.model = dp.wrap_ddp(placed.module, device, opts.bucket_cap_mb, group=dims.dense_group("replicate"))
+        placed.model = dp.wrap_ddp(placed.module, device, opts.bucket_cap_mb, group=dims.tokens_group)
         if opts.ddp_hook is not None:
             placed.model.register_comm_hook(None, opts.ddp_hook)
     elif opts.dp_impl == "naive":

@@ -21,10 +21,11 @@ dimension fastest, so an inner dimension's groups are neighbouring ranks: one no
 Who holds what. The global batch's rows are split over ``dp_replicate x dp_shard x ep`` (the *data*
 ranks); ``cp`` splits each row's tokens; ``tp`` and ``pp`` ranks share rows. The ranks holding
 different tokens, ``dp_replicate x dp_shard x ep x cp`` (the *token* ranks), are data parallel for
-every dense weight: its gradient is averaged over them. With ``dp_shard > 1`` the dense weights are
-sharded (FSDP2) over ``dp_shard x ep x cp`` and replicated over ``dp_replicate`` (torchtitan shards
-over ``dp_shard x cp`` the same way); with ``dp_shard = 1`` they are replicated over every token rank.
-Experts are split over ``ep`` and sharded over ``dp_shard`` (replicated over ``dp_replicate``).
+every dense weight: its gradient is averaged over them. The dense weights are sharded (FSDP2) over
+``dp_shard x ep x cp``, ranks that must reduce their gradients together anyway (torchtitan shards over
+``dp_shard x cp`` for the same reason), and replicated over ``dp_replicate``; when that product is 1
+they are only replicated. Experts are split over ``ep``, sharded over ``dp_shard`` and replicated over
+``dp_replicate``.
 """
 from __future__ import annotations
 
@@ -70,12 +71,12 @@ class Degrees:
     @property
     def shard(self) -> int:
         """Ranks each dense weight is sharded over (FSDP's shard group; 1: replicated)."""
-        return self.dp_shard * self.ep * self.cp if self.dp_shard > 1 else 1
+        return self.dp_shard * self.ep * self.cp
 
     @property
     def replicate(self) -> int:
         """Copies of each dense weight's shard, all-reduced across."""
-        return self.tokens // self.shard
+        return self.dp_replicate
 
     def check(self, world: int) -> None:
         """A ValueError in one line unless the degrees multiply to ``world``."""

@@ -19,6 +19,12 @@ Candidates are listed in order of what they give up, and the order breaks ties:
 7. **Optimizer offload** to host memory (Ren et al. 2021): gradients and parameters over PCIe every
    step, the slowest link; the last resort.
 
+Composed with TP, PP, CP or EP, the data-parallel ranks replicate the model (DDP, stage 0) or shard it
+with FSDP2 (stage 3), as the training loop composes them (:mod:`labkit.parallel.compose`); ZeRO-1 and
+ZeRO-2 are DeepSpeed's, for pure data parallelism. Every candidate is a run ``labkit.train`` starts
+as printed (:mod:`labkit.planning.candidates`), and one the loop would refuse for this model and
+batch is never listed.
+
 Korthikanti et al.'s selective recomputation is not a candidate: with fused attention, the
 calculator's default, it recomputes what is never stored and changes no estimate. Among the
 candidates that fit, the one with the smallest estimated step time wins
@@ -33,42 +39,9 @@ from dataclasses import dataclass
 from labkit.core.checks import positive_int
 from labkit.memory.calculator import GB, MemoryEstimate, estimate_memory, model_shape
 from labkit.planning.accelerators import accelerator
+from labkit.planning.candidates import CANDIDATES, Candidate, refusal
 from labkit.planning.cost import price_run, training_flops, training_hours
 from labkit.planning.step_time import step_seconds
-
-# (label, ZeRO stage, recompute, optimizer offload, tp, pp, micro-batches of one instead of one of b,
-#  context-parallel degree, expert-parallel degree)
-CANDIDATES = [
-    ("DDP", 0, "none", False, 1, 1, False, 1, 1),
-    ("ZeRO-1", 1, "none", False, 1, 1, False, 1, 1),
-    ("ZeRO-2 (FSDP SHARD_GRAD_OP)", 2, "none", False, 1, 1, False, 1, 1),
-    ("ZeRO-3 / FSDP", 3, "none", False, 1, 1, False, 1, 1),
-    ("EP=8 + ZeRO-1", 1, "none", False, 1, 1, False, 1, 8),
-    ("EP=8 + ZeRO-3", 3, "none", False, 1, 1, False, 1, 8),
-    ("DDP + gradient accumulation", 0, "none", False, 1, 1, True, 1, 1),
-    ("ZeRO-1 + gradient accumulation", 1, "none", False, 1, 1, True, 1, 1),
-    ("ZeRO-3 / FSDP + gradient accumulation", 3, "none", False, 1, 1, True, 1, 1),
-    ("ZeRO-3 / FSDP + full recompute", 3, "full", False, 1, 1, False, 1, 1),
-    ("ZeRO-3 / FSDP + full recompute + gradient accumulation", 3, "full", False, 1, 1, True, 1, 1),
-    ("EP=8 + ZeRO-3 + full recompute", 3, "full", False, 1, 1, False, 1, 8),
-    ("ZeRO-3 / FSDP + CP=2 (ring attention)", 3, "none", False, 1, 1, False, 2, 1),
-    ("ZeRO-3 / FSDP + CP=4 (ring attention)", 3, "none", False, 1, 1, False, 4, 1),
-    ("ZeRO-3 / FSDP + CP=8 (ring attention)", 3, "none", False, 1, 1, False, 8, 1),
-    ("ZeRO-3 / FSDP + full recompute + CP=2", 3, "full", False, 1, 1, False, 2, 1),
-    ("ZeRO-3 / FSDP + full recompute + CP=4", 3, "full", False, 1, 1, False, 4, 1),
-    ("ZeRO-3 / FSDP + full recompute + CP=8", 3, "full", False, 1, 1, False, 8, 1),
-    ("TP=2 + SP + ZeRO-1", 1, "none", False, 2, 1, False, 1, 1),
-    ("TP=4 + SP + ZeRO-1", 1, "none", False, 4, 1, False, 1, 1),
-    ("TP=8 + SP + ZeRO-1", 1, "none", False, 8, 1, False, 1, 1),
-    ("TP=2 + SP + ZeRO-3 + full recompute", 3, "full", False, 2, 1, False, 1, 1),
-    ("TP=4 + SP + ZeRO-3 + full recompute", 3, "full", False, 4, 1, False, 1, 1),
-    ("TP=8 + SP + ZeRO-3 + full recompute", 3, "full", False, 8, 1, False, 1, 1),
-    ("TP=8 + PP=2 (1F1B) + ZeRO-1 + full recompute", 1, "full", False, 8, 2, False, 1, 1),
-    ("TP=8 + PP=4 (1F1B) + ZeRO-1 + full recompute", 1, "full", False, 8, 4, False, 1, 1),
-    ("TP=8 + PP=8 (1F1B) + ZeRO-1 + full recompute", 1, "full", False, 8, 8, False, 1, 1),
-    ("ZeRO-3 / FSDP + full recompute + optimizer offload", 3, "full", True, 1, 1, False, 1, 1),
-]
-
 
 @dataclass(frozen=True)
 class Option:
@@ -76,6 +49,7 @@ class Option:
     estimate: MemoryEstimate
     usable_bytes: int
     step: dict  # the estimated step time and its parts, in seconds (labkit.planning.step_time)
+    candidate: Candidate | None = None
 
     @property
     def fits(self) -> bool:
@@ -101,6 +75,11 @@ class Recommendation:
     @property
     def chosen(self) -> Option | None:
         return next((o for o in self.options if o.label == self.strategy), None)
+
+    def train_args(self, n_devices: int, micro_batch: int) -> list[str] | None:
+        """The flags of ``python -m labkit.train`` that run the recommendation (None when nothing fits)."""
+        chosen = self.chosen
+        return chosen.candidate.train_args(n_devices, micro_batch) if chosen is not None else None
 
     def rule_slowdown(self) -> float | None:
         """How much longer a step takes with the rule's choice than with this one (None if it does not fit)."""
@@ -131,23 +110,21 @@ def _options(shape, n_devices: int, device_memory_gb: float, micro_batch: int, s
              precision: str, devices_per_node: int, usable: int, device: str, hfu: float) -> list[Option]:
     options = []
     s = seq_len or shape.seq_len
-    for label, stage, recompute, offload, tp, pp, accumulate, cp, ep in CANDIDATES:
-        if tp > min(devices_per_node, n_devices) or n_devices % (tp * pp * cp) or pp > shape.n_layer:
-            continue
-        if (accumulate and micro_batch == 1) or s % cp or cp > min(devices_per_node, n_devices):
-            continue  # nothing to accumulate; a sequence that does not split; a ring beyond NVLink
-        if ep > 1 and (shape.experts % ep or n_devices % ep or ep > devices_per_node):
-            continue  # a dense model, or experts that do not split over the node
-        mb = 1 if accumulate else micro_batch
-        est = estimate_memory(shape, mb, n_devices, stage, precision, recompute, tp,
-                              sequence_parallel=tp > 1, device_memory_gb=device_memory_gb,
-                              offload_optimizer=offload, seq_len=seq_len, pp=pp, cp=cp, ep=ep)
+    for c in CANDIDATES:
+        if max(c.tp, c.cp, c.ep) > min(devices_per_node, n_devices) or (c.accumulate and micro_batch == 1):
+            continue  # TP, rings and all-to-alls beyond NVLink; nothing to accumulate
+        if (c.ep > 1 and shape.experts == 1) or refusal(c, shape, n_devices, micro_batch, s) is not None:
+            continue  # expert parallelism is for a mixture of experts; what the loop would refuse
+        mb = c.micro(micro_batch)
+        est = estimate_memory(shape, mb, n_devices, c.stage, precision, c.recompute, c.tp,
+                              sequence_parallel=c.tp > 1 and c.ep == 1, device_memory_gb=device_memory_gb,
+                              offload_optimizer=c.offload, seq_len=seq_len, pp=c.pp, cp=c.cp, ep=c.ep)
         # Every candidate trains the same global batch, micro_batch sequences per device: a replica on
         # tp x pp x cp devices takes tp x pp x cp times as many, in micro-batches of mb
-        t = step_seconds(shape, n_devices, micro_batch * tp * pp * cp, mb, s, stage, recompute, offload, tp, pp,
-                         device, hfu, devices_per_node, cp, ep)
-        options.append(Option(label if not accumulate else f"{label} ({micro_batch} micro-batches of 1)", est,
-                              usable, t))
+        t = step_seconds(shape, n_devices, c.rows(micro_batch), mb, s, c.stage, c.recompute, c.offload, c.tp, c.pp,
+                         device, hfu, devices_per_node, c.cp, c.ep)
+        label = c.label if not c.accumulate else f"{c.label} ({micro_batch} micro-batches of 1)"
+        options.append(Option(label, est, usable, t, c))
     return options
 
 

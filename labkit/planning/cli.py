@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 
 from labkit.core.checks import fraction, positive_int, positive_number
 from labkit.core.cli import ArgumentParser
@@ -17,6 +18,7 @@ from labkit.memory.architecture import FAMILIES, ModelShape
 from labkit.memory.calculator import GB, MODELS, RECOMPUTE, estimate_memory, model_shape
 from labkit.memory.finetune import FINETUNE, TRAINED_BYTES, estimate_finetune
 from labkit.planning.accelerators import ACCELERATORS
+from labkit.planning.candidates import run_command
 from labkit.planning.choose import choose_strategy
 from labkit.planning.cost import DEFAULT_PREEMPTIONS_PER_DAY, price_run
 from labkit.planning.memory_report import choose_finetune, report
@@ -69,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "down (gpt: qkv,o,up,down), or all (the default), attention, mlp")
     f.add_argument("--lora-dropout", action="store_true", help="count the inputs LoRA dropout keeps for backward")
     p.add_argument("--json", action="store_true", help="print the same result as one JSON object: fits, bytes per "
-                   "device by kind, the recommendation")
+                   "device by kind, the recommendation with its degrees and the labkit.train command that runs it")
+    p.add_argument("--train-device", choices=("cuda", "cpu"), default="cuda", help="where the printed labkit.train "
+                   "command runs: cuda (one GPU per rank, NCCL) or cpu (gloo processes, to try a layout out)")
     p.add_argument("--tokens", type=float, default=None, help="training tokens, to price the run")
     p.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation you expect: of the model's "
                    "6ND, recomputation not counted (default 0.4)")
@@ -175,6 +179,19 @@ def _print_finetune(a, r) -> None:
         print(f"rule of thumb says {rec.rule_of_thumb}" + ("" if rec.rule_fits else " (which does not fit here)"))
 
 
+def _run(a, r) -> dict | None:
+    """The recommended layout as a labkit.train run (None for LoRA, QLoRA, or when nothing fits)."""
+    rec = r["recommendation"]
+    chosen = getattr(rec, "chosen", None)
+    if a.finetune in ("lora", "qlora") or chosen is None:
+        return None
+    seq = a.seq_len or r["shape"].seq_len
+    out = run_command(chosen.candidate.train_args(a.devices, a.micro_batch), r["shape"], a.devices, seq,
+                      a.precision or "mixed", a.train_device, tokens=a.tokens)
+    degrees = chosen.candidate.degrees(a.devices)
+    return {"degrees": asdict(degrees), "degrees_label": degrees.label(), **out}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
@@ -182,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         r = _plan(a)
     except ValueError as e:
         parser.error(str(e))
+    run = _run(a, r)
     if a.json:
-        print(json.dumps(report(r, a), indent=2))
+        print(json.dumps(report(r, a) | {"run": run}, indent=2))
         return 0
     shape, rec, c = r["shape"], r["recommendation"], r["price"]
     active = f" ({shape.active_params / 1e9:.2f} B active)" if shape.experts > 1 else ""
@@ -198,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{stage:>6} " + " ".join(f"{c / GB:9.1f}" for c in cells) + f"  {'yes' if e.fits else 'no'}")
         print(f"\nrecommended: {rec.strategy or 'nothing fits'}\n  {rec.reason}")
         print(f"rule of thumb says {rec.rule_of_thumb}" + ("" if rec.rule_fits else " (which does not fit here)"))
+    if run is not None:
+        print(f"\nrun it ({run['degrees_label']}; {run['model']}):\n  {run['command']}")
     if c is not None:
         dev = r["device"]
         print(f"\n{c.model_flops:.3g} model FLOPs ({c.flops:.3g} run, with recomputation) at {c.mfu:.0%} MFU "

@@ -227,11 +227,6 @@ def check_config(cfg: TrainConfig) -> None:
                          "are the accumulation; set grad_accum=1 and microbatches instead")
     if cfg.checkpoint_dir and s.cannot_checkpoint:
         raise ValueError(f"checkpoint_dir is not supported with strategy={s.name!r}: {s.cannot_checkpoint}")
-    cp = dict(s.degrees).get("cp") and (cfg.cp or (0 if s.zero_means_all else 1))
-    if cfg.activation_checkpointing != "none" and cp != 1 and cp is not None:  # 0: every rank
-        raise ValueError(f"activation_checkpointing={cfg.activation_checkpointing!r} is not supported with "
-                         f"strategy={s.name!r} and context parallelism: recomputing a block would run the ring's "
-                         "exchanges again inside backward; use 'none' (it already divides activations by cp)")
     if s.pp_impl == "scratch" and cfg.pp_schedule == "interleaved":
         raise ValueError(f"pp_schedule='interleaved' needs torch pipelining (strategy 'pp'); the hand-written "
                          f"pipeline (strategy {s.name!r}) has 'gpipe' and '1f1b'")

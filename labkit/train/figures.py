@@ -38,7 +38,7 @@ def predicted_model_states(plan: Plan, n_params: int) -> dict[str, int]:
 
     dense, experts = params_on_rank(plan.model_cfg, d, plan.dims.coords["pp"],
                                     plan.cfg.pp_schedule if plan.pipelined else None)
-    return _fp32_adamw_states(dense / d.shard + experts / (d.dp_shard if d.dp_shard > 1 else 1))
+    return _fp32_adamw_states(dense / d.shard + experts / d.dp_shard)
 
 
 def pipeline_rank_figures(pipeline: Pipeline, peaks: list[int]) -> dict[str, Any]:
