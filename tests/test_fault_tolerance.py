@@ -403,12 +403,25 @@ def test_resume_is_bit_exact_after_kills_under_torchrun(tmp_path):
     assert fsdp_more["start_step"] == STEPS and fsdp_more["restored"]["saved_world_size"] == 2
     assert "resharded from fsdp x2 to single x1" in fsdp_more["resume_notes"][0]
     assert abs(fsdp_more["loss"][-1] - more["loss"][-1]) < 1e-5, (fsdp_more["loss"][-1], more["loss"][-1])
-    # Tensor- and pipeline-parallel checkpoints (QKV rows grouped by rank; one part per stage, with its
-    # own optimizer states) resume only as they were saved, and say so.
-    for s, layout in (("tp", "tp=2 dp=1"), ("pp", "pp=2 virtual=1")):
-        with pytest.raises(ValueError, match=rf"a {s} checkpoint \({layout} ranks\) resumes only as it was saved"):
-            train(TrainConfig(strategy="single", checkpoint_dir=str(tmp_path / s), **BASE | {"steps": STEPS + 1}),
+    # So do the tensor- and pipeline-parallel ones: TP's shards are contiguous blocks of a head-major QKV
+    # matrix, and each stage's part (the tied head's optimizer state under the embedding's name) is read
+    # by whichever rank needs it; both go on as the DDP run does.
+    for s in ("tp", "pp"):
+        r = train(TrainConfig(strategy="single", checkpoint_dir=str(tmp_path / s), **BASE | {"steps": STEPS + 1}),
                   MODEL)
+        assert r["start_step"] == STEPS and f"resharded from {s} x2 to single x1" in r["resume_notes"][0]
+        assert abs(r["loss"][-1] - more["loss"][-1]) < 1e-5, (s, r["loss"][-1], more["loss"][-1])
+
+
+def test_what_cannot_be_resharded_is_refused_up_front():
+    """DeepSpeed's own checkpoint format loads only into the strategy and world size that wrote it."""
+    from labkit.fault_tolerance.resume import check_compatible
+
+    run = {"seed": 0, "batch_size": 8, "model": {"n_layer": 2}}
+    saved = {**run, "strategy": "zero3", "world_size": 2, "layout": "dp_shard=2", "reshardable": False}
+    with pytest.raises(ValueError, match=r"a zero3 checkpoint \(dp_shard=2 ranks\) resumes only as it was saved"):
+        check_compatible(saved, {**run, "strategy": "single", "world_size": 1, "layout": "single", "reshardable": True})
+    assert check_compatible(saved, {**saved}) == []  # as it was saved: fine
 
 
 def test_deepspeed_checkpoints_go_through_the_same_checkpointer(tmp_path):

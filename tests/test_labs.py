@@ -500,3 +500,26 @@ def test_finetuning_lab_metrics(lab_metrics):
     assert eff == sorted(eff, reverse=True) and eff[0] == 1.0 and eff[-1] < 0.5
     # the learning-rate sweep: a best rate inside the grid for every batch
     assert all(min(P["sweep_lrs"]) <= lr <= max(P["sweep_lrs"]) for lr in m["best_lr"].values())
+
+
+def test_composing_lab_metrics(lab_metrics):
+    m = lab_metrics["composing"]
+    P = m["params"]
+    assert m["profile"] == "ci" and P["world_size"] == 8 and P["world_4d"] == 16
+    lay = m["layout_3d"]
+    assert {k: v for k, v in lay["degrees"].items() if v > 1} == P["layout_3d"]
+    assert len(lay["loss"]) == len(lay["loss_single"]) == P["steps"]
+    assert lay["loss_diff"] < 1e-5 and lay["param_diff"] < 1e-4  # fp32: one process's steps
+    assert m["layout_4d"]["loss_diff"] < 1e-5 and m["layout_4d"]["degrees"]["cp"] == 2
+    mem = m["memory"]  # the exact count of each rank's share, AdamW's 4-byte step counters aside
+    assert all(0 <= h - e <= 4 * 40 for h, e in zip(mem["measured"], mem["exact"]))
+    # the calculator splits every weight by tp x pp: short by what stays whole (the embedding, at the ends)
+    assert 1 < max(mem["measured"]) / mem["calculator"] < 2.5
+    got, want = m["bytes_by_dim"]["measured"], m["bytes_by_dim"]["formula"]
+    assert set(got) == set(want), got  # every collective on a mesh dimension: nothing "other"
+    for dim in want:  # to the byte, but for clipping's 4-byte all-reduces of squared norms
+        assert 0 <= got[dim] - want[dim] <= 8, (dim, got[dim], want[dim])
+    assert m["bubble"]["formula"] == pytest.approx(1 / 3)
+    plan = m["plan"]  # the chooser's printed command, run: a composed layout that trains
+    assert plan["layout"] != "single" and "--strategy mesh" in plan["command"]
+    assert len(plan["loss"]) == P["plan_steps"] and plan["loss"][-1] < plan["loss"][0]

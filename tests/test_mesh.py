@@ -133,3 +133,85 @@ def test_the_chooser_prints_a_layout_and_the_command_that_runs_it_as_printed():
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert re.search(r"mesh on 8 rank\(s\): steps 0\.\.2, loss \d", proc.stdout), proc.stdout[-2000:]
+
+
+def test_the_readme_command_for_a_3d_layout_runs_as_written():
+    """README's `torchrun ... -m labkit.train --tp 2 --pp 2 --dp-shard 2`: degrees alone choose 'mesh'."""
+    line = next(ln for ln in (ROOT / "README.md").read_text().splitlines() if "--tp 2 --pp 2 --dp-shard 2" in ln)
+    argv = shlex.split(line)
+    assert argv[0] == "torchrun"
+    argv[0] = str(Path(sys.executable).parent / "torchrun")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert re.search(r"mesh on 8 rank\(s\): steps 0\.\.5, loss \d", proc.stdout), proc.stdout[-2000:]
+
+
+def test_degrees_multiply_to_the_world_and_number_ranks_as_the_mesh_does():
+    d = Degrees(pp=2, dp_shard=2, cp=2, tp=2)
+    assert d.world == 16 and d.data == 2 and d.tokens == 4 and d.shard == 4 and d.label() == "pp=2 dp_shard=2 cp=2 tp=2"
+    assert d.coords(11) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "ep": 0, "cp": 1, "tp": 1}
+    assert d.groups()["tp"][0] == [0, 1] and d.groups()["cp"][0] == [0, 2] and d.groups()["pp"][0] == [0, 8]
+    assert d.flags() == ["--pp", "2", "--dp-shard", "2", "--cp", "2", "--tp", "2"]
+    with pytest.raises(ValueError, match=r"the degrees pp=2 dp_shard=2 cp=2 tp=2 multiply to 16, not world_size=8"):
+        d.check(8)
+    with pytest.raises(ValueError, match="tp must be a positive integer"):
+        Degrees(tp=0)
+
+
+def test_degree_flags_choose_the_mesh_and_every_named_strategy_is_a_preset():
+    from labkit.train.config import degrees_for
+
+    assert TrainConfig(tp=2, pp=2).strategy == "mesh" and TrainConfig().strategy == "single"
+    assert degrees_for(TrainConfig(tp=2, pp=2), 8) == Degrees(pp=2, dp_shard=2, tp=2)  # FSDP takes the rest
+    assert degrees_for(TrainConfig(strategy="tp", tp=2), 8) == Degrees(dp_shard=4, tp=2)
+    assert degrees_for(TrainConfig(strategy="cp"), 4) == Degrees(cp=4)
+    assert degrees_for(TrainConfig(strategy="hsdp", replicas=2), 8) == Degrees(dp_replicate=2, dp_shard=4)
+    assert degrees_for(TrainConfig(strategy="ddp"), 4) == Degrees(dp_replicate=4)
+    with pytest.raises(ValueError, match=r"cp=3 must divide world_size=8"):
+        degrees_for(TrainConfig(cp=3), 8)
+    with pytest.raises(ValueError, match=r"multiply to 16, not world_size=8"):
+        degrees_for(TrainConfig(tp=2, pp=2, dp_shard=4), 8)
+    with pytest.raises(ValueError, match=r"strategy='tp_scratch' is written by hand for one dimension only"):
+        degrees_for(TrainConfig(strategy="tp_scratch", tp=2), 4)
+
+
+@pytest.mark.parametrize("degrees, model, match", [
+    (Degrees(tp=3), MODEL, r"tp=3 must divide n_head=4"),
+    (Degrees(cp=2), replace(MODEL, block_size=14), r"block_size=14 must be divisible by 2 x cp = 4"),
+    (Degrees(cp=2), replace(MODEL, dropout=0.1), r"dropout=0.1 is not supported with cp=2"),
+    (Degrees(ep=2), MODEL, r"ep=2 needs a mixture-of-experts model"),
+    (Degrees(cp=2), MOE, r"not supported with cp=2: under context parallelism"),
+    (Degrees(pp=2), MOE, r"not supported with pp=2: the load-balancing loss"),
+    (Degrees(ep=3), replace(MOE, moe_experts=4), r"moe_experts=4 must be a multiple of ep=3"),
+])
+def test_what_a_layout_cannot_do_is_one_line_before_any_collective(degrees, model, match):
+    from labkit.parallel.checks import check_layout
+
+    with pytest.raises(ValueError, match=match):
+        check_layout(degrees, model, 4, 2 if degrees.pp > 1 else None)
+
+
+@pytest.mark.parametrize("hidden, layers, heads, seq, n", [(768, 12, 12, 1024, 8), (2048, 24, 16, 4096, 64),
+                                                           (64, 4, 4, 512, 8), (4096, 32, 32, 8192, 512)])
+def test_the_chooser_never_lists_a_layout_the_loop_refuses(hidden, layers, heads, seq, n):
+    """Every candidate the chooser weighs, turned into labkit.train's flags, passes the loop's own checks."""
+    from labkit.memory.architecture import ModelShape
+    from labkit.parallel.checks import check_layout
+    from labkit.planning.candidates import run_command
+    from labkit.planning.choose import choose_strategy
+    from labkit.train.cli import configs_from
+    from labkit.train.config import degrees_for
+
+    shape = ModelShape.from_dims("gpt", hidden, layers, heads, 50257, seq)
+    rec = choose_strategy(shape, n, 80, micro_batch=2, seq_len=seq)
+    assert rec.options
+    for option in rec.options:
+        args = run_command(option.candidate.train_args(n, 2), shape, n, seq, "mixed", "cpu")["train_args"]
+        cfg, model = configs_from(args)
+        d = degrees_for(cfg, n)
+        assert d == option.candidate.degrees(n) or not option.candidate.composed, option.label
+        rows = cfg.batch_size // d.data
+        staged = cfg.microbatches if d.pp > 1 else None
+        check_layout(d, model, rows, staged, cfg.pp_schedule, "torch", cfg.sequence_parallel, cfg.activation_checkpointing)
+        assert rows % cfg.grad_accum == 0, option.label

@@ -122,9 +122,13 @@ def strategy_configs(s: Setting) -> tuple[dict, list[str]]:
             extra.update(pp=s.world, microbatches=2 * s.world, pp_schedule="1f1b")
         if name == "hsdp":
             extra["replicas"] = 2 if s.world % 2 == 0 else 1
-        if spec.moe and name != "single":  # a mixture-of-experts model: the experts item trains it
+        if ("ep", "ep") in spec.degrees and len(spec.degrees) == 1:  # the experts item trains it
             skipped.append(f"{name}: trains a mixture-of-experts model; see the item 'experts'")
             continue
+        if len(spec.degrees) > 1:  # any layout: the composing lab's, fitted to this node
+            from labkit.labs.parameters import fit_layout
+
+            extra = dict(fit_layout(s.world, cfg_model.n_head, cfg_model.n_layer), microbatches=2 * s.world)
         configs[name] = replace(base, strategy=name, **extra)
     return configs, skipped
 

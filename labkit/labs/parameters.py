@@ -39,7 +39,16 @@ def _rank_counts(n: int) -> list[int]:
 
 # Labs that are about splitting one model over ranks: below this many GPUs, their gpu profile runs
 # the cpu profile on CPU processes instead (and says so), rather than pretend on one GPU.
-MIN_GPUS = {"tensor_parallel": 2, "pipeline_parallel": 2, "communication": 2, "long_context_experts": 2}
+MIN_GPUS = {"tensor_parallel": 2, "pipeline_parallel": 2, "communication": 2, "long_context_experts": 2,
+            "composing": 2}
+
+
+def fit_layout(n: int, n_head: int, n_layer: int) -> dict[str, int]:
+    """A 3-D layout of ``n`` GPUs for the composing lab: TP 2 inside the node, 2 pipeline stages when
+    4 GPUs or more, FSDP over the rest."""
+    tp = 2 if n % 2 == 0 and n_head % 2 == 0 else 1
+    pp = 2 if n % (2 * tp) == 0 and n >= 4 and n_layer >= 2 else 1
+    return {"tp": tp, "pp": pp, "dp_shard": n // (tp * pp)}
 
 
 def fit_to_gpus(lab: str, p: dict, n: int) -> dict:
@@ -64,6 +73,8 @@ def fit_to_gpus(lab: str, p: dict, n: int) -> dict:
         fits = [k for k in range(1, n + 1) if p["n_layer"] >= 2 * k and p["microbatches"] >= k]
         p["world_size"] = min(p["world_size"], max(fits))
         p["mem_pp"] = min(p["mem_pp"], max(k for k in fits if p["mem_microbatches"] >= k))
+    if p.get("layout_3d") == "fit":
+        p["layout_3d"] = fit_layout(n, p["n_head"], p["n_layer"])
     if "hsdp_world" in p:  # a replicas x shard mesh needs every one of its ranks
         p["hsdp_world"] = min(p["hsdp_world"], n)
     if isinstance(p.get("world_size"), int):

@@ -217,6 +217,27 @@ PROFILES["fault_tolerance"] = {
                 grace_s=30, fault_seed=0, bench_n_layer=12, bench_n_embd=768, bench_n_head=12, bench_repeats=3, **_SPOT),
 }
 
+# Composing: a 3-D layout (8 ranks) and a 4-D one (16) held to one process, and the chooser's plan for a
+# small GPT on 8 devices whose memory only a composed layout fits (plan_*), run as printed.
+_PLAN = dict(plan_hidden=64, plan_layers=4, plan_heads=4, plan_devices=8, plan_micro_batch=1)
+PROFILES["composing"] = {
+    "cpu": dict(**FP32, **_PLAN, device="cpu", world_size=8, layout_3d={"tp": 2, "pp": 2, "dp_shard": 2},
+                world_4d=16, layout_4d={"tp": 2, "cp": 2, "pp": 2, "dp_shard": 2}, steps=20, steps_4d=10,
+                batch_size=16, microbatches=4, lr=1e-3, seed=0, n_layer=4, n_head=4, n_embd=64, block_size=64,
+                plan_seq_len=512, plan_device_gb=0.0025, plan_steps=3),
+    "ci": dict(**FP32, **_PLAN, device="cpu", world_size=8, layout_3d={"tp": 2, "pp": 2, "dp_shard": 2},
+               world_4d=16, layout_4d={"tp": 2, "cp": 2, "pp": 2, "dp_shard": 2}, steps=4, steps_4d=2,
+               batch_size=8, microbatches=2, lr=1e-3, seed=0, n_layer=2, n_head=4, n_embd=32, block_size=32,
+               plan_seq_len=128, plan_device_gb=0.001, plan_steps=2),
+    # GPT-2 small's shape at context 1024 on the node's GPUs, the 3-D layout fitted to them (the 4-D one
+    # needs 16); the plan for the same model on 8 GPUs of 80 GB at a 32k context.
+    "gpu": dict(**BF16_TF32, device="cuda", world_size="all", layout_3d="fit", world_4d=16,
+                layout_4d={"tp": 2, "cp": 2, "pp": 2, "dp_shard": 2}, steps=50, steps_4d=20,
+                batch_size="8 per rank", microbatches=4, lr=6e-4, seed=0, n_layer=12, n_head=12, n_embd=768,
+                block_size=1024, plan_hidden=768, plan_layers=12, plan_heads=12, plan_devices=8, plan_micro_batch=1,
+                plan_seq_len=32768, plan_device_gb=80.0, plan_steps=10),
+}
+
 # `make gpu-check` runs every lab's gpu profile with these overrides: the same code paths in a few
 # steps, so that the whole check fits in minutes on one GPU (the shapes stay the gpu profile's).
 GPU_CHECK: dict[str, dict] = {
@@ -231,6 +252,7 @@ GPU_CHECK: dict[str, dict] = {
     "fault_tolerance": dict(steps=40, save_every=10, bench_repeats=2, naive_trials=10),
     "communication": dict(max_bytes=16 << 20, steps=4, diag_steps=4),
     "long_context_experts": dict(steps=4, moe_steps=20),
+    "composing": dict(steps=6, steps_4d=3, plan_steps=2),
     "finetuning": dict(pretrain_steps=20, noise_window=5, ft_steps=5, accum_steps=3, sweep_steps=5,
                        sweep_lrs=[2e-4, 4e-4, 8e-4], sample_tokens=20, eval_batches=2),
 }

@@ -2,7 +2,7 @@
 * :func:`zero_holdings`: what each rank holds under DDP and ZeRO 1-3, sharding as the calculator's.
 * :func:`tp_split`: Megatron-LM's column- then row-parallel MLP with its ``f`` and ``g`` operators.
 * :func:`pp_schedules`: ideal GPipe and 1F1B, each stage's order from ``schedule_order``.
-* :func:`device_mesh`: 2-D and 3-D meshes and the ranks of each group.
+* :func:`device_mesh`: 2-D and 3-D meshes and the ranks of each group (4-D: :mod:`labkit.labs.schematics_mesh`).
 * :func:`memory_70b`: the memory chapter's 70B scenario as stacked bars, every number the calculator's.
 * :func:`labkit.labs.collective_figures.collectives`: the seven collectives, before and after.
 :func:`write_all` writes them to ``book/images`` (``python -m labkit.labs.schematics``); a test
@@ -15,6 +15,7 @@ from itertools import accumulate, product
 from pathlib import Path
 
 from labkit.labs.collective_figures import collectives
+from labkit.labs.schematics_mesh import FIGURES as MESH
 from labkit.labs.svg import ALERT, INK, OWNER_FILL, OWNER_STROKE, RANK_FILL, RANK_STROKE, Svg, num
 from labkit.memory.calculator import GB, estimate_memory, model_state_breakdown
 from labkit.parallel.pipeline_parallel import schedule_order
@@ -272,8 +273,7 @@ def memory_70b(numbers: dict | None = None) -> str:
         total = sum(parts[p] for p, _, _ in MEMORY_PARTS)
         terms = ", ".join(f"{parts[p]:.1f}" for p, _, _ in MEMORY_PARTS)
         host = f"; optimizer states ({parts['host']:.1f} GB) in host memory" if parts["host"] else ""
-        svg.text(x0, y + 36, f"{total:,.1f} GB in all: {terms}{host}", fill=INK,
-                 data_total_gb=f"{total:.1f}")
+        svg.text(x0, y + 36, f"{total:,.1f} GB in all: {terms}{host}", fill=INK, data_total_gb=f"{total:.1f}")
     line = x0 + nb["device_gb"] * scale
     for y in range(44, bottom, pitch):  # the device line, broken where the numbers are written
         svg.add("path", d=f"M{num(line)},{y} L{num(line)},{y + 28}", stroke=ALERT, stroke_width=2,
@@ -283,7 +283,7 @@ def memory_70b(numbers: dict | None = None) -> str:
 
 
 FIGURES = {"zero_holdings.svg": zero_holdings, "tp_split.svg": tp_split, "pp_schedules.svg": pp_schedules,
-           "device_mesh.svg": device_mesh, "memory_70b.svg": memory_70b, "collectives.svg": collectives}
+           "device_mesh.svg": device_mesh, "memory_70b.svg": memory_70b, "collectives.svg": collectives, **MESH}
 
 
 def write_all(out_dir: str | Path = IMAGES) -> list[Path]:

@@ -88,6 +88,27 @@ class Degrees:
         """``"pp=2 dp_shard=2 tp=2"``: the degrees above 1 (``"single"`` when none)."""
         return " ".join(f"{d}={getattr(self, d)}" for d in DIMS if getattr(self, d) > 1) or "single"
 
+    def coords(self, rank: int) -> dict[str, int]:
+        """Rank ``rank``'s place along each dimension: row-major over :data:`DIMS`, the last fastest, as
+        ``init_device_mesh`` numbers a mesh."""
+        out = {}
+        for d in reversed(DIMS):
+            n = getattr(self, d)
+            out[d], rank = rank % n, rank // n
+        return {d: out[d] for d in DIMS}
+
+    def groups(self) -> dict[str, list[list[int]]]:
+        """The ranks of every group along each dimension above 1: the ranks that differ only there."""
+        out: dict[str, list[list[int]]] = {}
+        for d in DIMS:
+            if getattr(self, d) > 1:
+                keyed: dict[tuple, list[int]] = {}
+                for r in range(self.world):
+                    c = self.coords(r)
+                    keyed.setdefault(tuple(v for k, v in c.items() if k != d), []).append(r)
+                out[d] = list(keyed.values())
+        return out
+
     def flags(self) -> list[str]:
         """The degree flags of ``python -m labkit.train`` for this layout."""
         return [x for d in DIMS if getattr(self, d) > 1 for x in ("--" + d.replace("_", "-"), str(getattr(self, d)))]
@@ -118,7 +139,7 @@ class ParallelDims:
             if d.tokens > 1:
                 tokens = world._unflatten(0, (d.pp, d.tokens, d.tp), ("pp", "tokens", "tp"))
                 self.tokens_group = tokens["tokens"].get_group()
-        self.coords = self._coords()
+        self.coords = degrees.coords(self.rank)
         self.pp_ends_group = self._pp_ends()
 
     def _pp_ends(self) -> dist.ProcessGroup | None:
@@ -134,14 +155,6 @@ class ParallelDims:
             group = dist.new_group([q, q + (pp - 1) * stride])
             mine = group if self.rank % stride == q else mine
         return mine
-
-    def _coords(self) -> dict[str, int]:
-        """This rank's place along each dimension (row-major over :data:`DIMS`, the last fastest)."""
-        out, rest = {}, self.rank
-        for d in reversed(DIMS):
-            n = getattr(self.degrees, d)
-            out[d], rest = rest % n, rest // n
-        return {d: out[d] for d in DIMS}
 
     def __getattr__(self, name: str) -> int:  # ``dims.tp`` etc: the degrees
         if name in DIMS:
@@ -204,7 +217,7 @@ class ParallelDims:
         out: dict[str, str] = {}
         if self.mesh is None:
             return out
-        for view, names in ((self.dense, ("replicate", "shard")), (self.mesh, DIMS)):
+        for view, names in ((self.dense, ("replicate", "shard", "tp", "pp")), (self.mesh, DIMS)):
             for d in names:
                 if view[d].size() > 1:
                     out.setdefault(view[d].get_group().group_name, d)

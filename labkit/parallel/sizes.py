@@ -42,3 +42,38 @@ def params_on_rank(cfg: GPTConfig, d: Degrees, pp_rank: int = 0, schedule: str |
         held[0] += (final_norm + (V * C if n_stages > 1 else 0)) if index == n_stages - 1 else 0
         held[1] += (hi - lo) * experts
     return held[0], held[1]
+
+
+def comm_payload(cfg: GPTConfig, d: Degrees, rows: int, microbatches: int | None = None, dtype_bytes: int = 4,
+                 pp_rank: int = 0) -> dict[str, int]:
+    """Payload bytes one rank of pipeline stage ``pp_rank`` hands to collectives per step on each mesh
+    dimension (fp32 gradients; no sequence or context parallelism), ``rows`` the rows its data-parallel
+    rank reads, ``microbatches`` the pipeline's (None: no pipeline): what
+    :class:`labkit.comm.counter.CommCounter` counts.
+
+    * ``tp``: Megatron-LM's four all-reduces of ``rows x s x h`` per block of the stage (Shoeybi et al.
+      2019, section 3), whatever the microbatches.
+    * ``pp``: a stage boundary's activations forward and their gradients back, each sent by one stage
+      and received by the other (a 2-stage pipeline's end stage does one of each); and the tied
+      embedding's gradient shard, all-reduced between the first and the last stage.
+    * ``shard``: FSDP2 gathers this rank's weights for forward and again for backward, and reduce-scatters
+      the gradients once (Zhao et al. 2023). Under torch's pipeline schedules (torch 2.13, measured) it
+      gathers them for every microbatch's forward and once for the backwards, and reduce-scatters once,
+      after the last microbatch.
+    Clipping adds a 4-byte all-reduce of a squared norm on each dimension a gradient is split over (one
+    per kind of split: a few bytes), which the formula leaves out.
+    """
+    s, h = cfg.block_size // d.cp, cfg.n_embd
+    dense, experts = params_on_rank(cfg, d, pp_rank, "1f1b" if microbatches else None)
+    layers = cfg.n_layer // d.pp
+    out: dict[str, int] = {}
+    if d.tp > 1:
+        out["tp"] = 4 * rows * s * h * dtype_bytes * layers
+    if d.pp > 1:
+        tied = cfg.vocab_size * h * 4 // (d.shard if d.tokens > 1 else 1) if pp_rank in (0, d.pp - 1) else 0
+        boundaries = 1 if pp_rank in (0, d.pp - 1) else 2
+        out["pp"] = 2 * boundaries * rows * s * h * dtype_bytes + tied
+    if d.shard > 1:
+        gathers = microbatches + 1 if microbatches else 2
+        out["shard"] = (gathers + 1) * 4 * (dense + experts)
+    return out

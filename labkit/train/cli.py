@@ -133,6 +133,13 @@ def _configs(parser: argparse.ArgumentParser, args: dict) -> tuple[TrainConfig, 
     return tc, mc
 
 
+def configs_from(argv: list[str]) -> tuple[TrainConfig, GPTConfig]:
+    """The run a ``python -m labkit.train`` command line describes, to launch it from a notebook as it
+    was printed (a bad flag: argparse's error, exit status 2, as on the command line)."""
+    parser = build_parser()
+    return _configs(parser, vars(parser.parse_args(argv)))
+
+
 def _writable(name: str, directory: Path) -> None:
     """A ValueError naming the flag unless this process may create files in ``directory`` (made if missing)."""
     try:

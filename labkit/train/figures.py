@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from labkit.memory.calculator import ModelStates, model_state_breakdown
 from labkit.parallel import pipeline_parallel as pipe
+from labkit.parallel.activation_checkpointing import parse_policy
 from labkit.parallel.fsdp import hsdp_formula
 from labkit.parallel.pipeline_timeline import Event, bubble_formula, bubble_fraction
 
@@ -26,10 +27,12 @@ def _fp32_adamw_states(n: float) -> dict[str, int]:
     return {"params": round(4 * n), "grads": round(4 * n), "optimizer": round(8 * n), "grad_accum": 0}
 
 
-def predicted_model_states(plan: Plan, n_params: int) -> dict[str, int]:
+def predicted_model_states(plan: Plan) -> dict[str, int]:
     """What this rank should hold: DeepSpeed's partitions with their fp32 master copy; otherwise fp32
     AdamW on its parameters, sharded over the dense shard group (the ZeRO paper's 1/N)."""
-    d, spec = plan.dims.degrees, plan.spec
+    from labkit.core.model import GPT
+
+    d, spec, n_params = plan.dims.degrees, plan.spec, GPT.count_params(plan.model_cfg)
     if spec.deepspeed:
         return asdict(model_state_breakdown(n_params, plan.dims.world, spec.zero_stage, "fp32_master"))
     if spec.dp_impl != "fsdp":  # replicated, or the hand-written ZeRO-1's optimizer slice
@@ -39,6 +42,13 @@ def predicted_model_states(plan: Plan, n_params: int) -> dict[str, int]:
     dense, experts = params_on_rank(plan.model_cfg, d, plan.dims.coords["pp"],
                                     plan.cfg.pp_schedule if plan.pipelined else None)
     return _fp32_adamw_states(dense / d.shard + experts / d.dp_shard)
+
+
+def _recomputed(policy: str, layers: int) -> int:
+    """Blocks whose forward runs again in backward under ``policy`` (ring attention's exchanges with it:
+    the selective policies keep only aten matmul and SDPA outputs, so the ring's Function reruns too)."""
+    kind, k = parse_policy(policy)
+    return 0 if kind == "none" else (-(-layers // k) if kind == "every" else layers)
 
 
 def pipeline_rank_figures(pipeline: Pipeline, peaks: list[int]) -> dict[str, Any]:
@@ -83,7 +93,7 @@ def layout_fields(plan: Plan, ranks: list[dict]) -> dict[str, Any]:
     d, named = dims.degrees, {dim for dim, _ in plan.spec.degrees}
     n_params = GPT.count_params(m)
     out: dict[str, Any] = {"degrees": asdict(d), "layout": d.label(),
-                           "predicted_model_state_bytes": predicted_model_states(plan, n_params)}
+                           "predicted_model_state_bytes": predicted_model_states(plan)}
     rows = cfg.batch_size // dims.data_world
     if "tp" in named:
         out.update(tp=d.tp, dp=dims.data_world, impl=plan.spec.tp_impl, sequence_parallel=cfg.sequence_parallel,
@@ -91,8 +101,10 @@ def layout_fields(plan: Plan, ranks: list[dict]) -> dict[str, Any]:
                        rows, m.block_size // d.cp, m.n_embd, 4 if cfg.precision == "fp32" else 2))
     if "cp" in named:
         per_call = cp_comm_bytes("ring", rows, m.n_head // d.tp, m.block_size, m.n_embd // m.n_head, d.cp)
-        out.update(cp=d.cp, dp=dims.data_world, kv_formula_bytes_per_step=m.n_layer // d.pp * (
-            per_call["forward"] + per_call["backward"]))
+        layers = m.n_layer // d.pp
+        out.update(cp=d.cp, dp=dims.data_world, kv_formula_bytes_per_step=layers * (
+            per_call["forward"] + per_call["backward"]) + _recomputed(cfg.activation_checkpointing, layers)
+            * per_call["forward"])
     if "ep" in named:
         out.update(ep=d.ep, dp=dims.world // d.ep)
     if "dp_replicate" in named and plan.spec.dp_impl == "fsdp":

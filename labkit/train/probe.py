@@ -6,8 +6,8 @@ synchronised and, when due (``count_comm``), counts every collective with one
 :meth:`Probe.mark` once, after forward and backward, to split what they sent from the update's.
 After the step it reads what the placement recorded (a pipeline's timeline, ring attention's K/V
 bytes, the experts' all-to-alls and routing) and the model states this rank holds.
-:meth:`Probe.rank_figures` and :meth:`Probe.result_fields` (:mod:`labkit.train.figures`) turn them
-into the run's metrics.
+:meth:`Probe.rank_figures` and :meth:`Probe.result_fields` (with :mod:`labkit.train.figures`) turn
+them into the run's metrics.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from labkit.core.devices import synchronize
 from labkit.memory.calculator import ModelStates
 from labkit.memory.probe import measured_model_states
 from labkit.train import instruments
+from labkit.train.figures import layout_fields, pipeline_rank_figures, predicted_model_states
 
 if TYPE_CHECKING:
     from labkit.train.plans import Plan
@@ -36,6 +37,13 @@ def _routing(module: torch.nn.Module) -> list[dict] | None:
              "aux": s.aux} for s in stats] or None
 
 
+def counted_steps(count_comm: str, device: torch.device, steps: int) -> list[bool]:
+    """Which steps run under the collective counter: ``auto`` counts every step on CPU and only the last
+    on CUDA, where a Python dispatch mode over every op would slow each step it wraps."""
+    mode = count_comm if count_comm != "auto" else ("last" if device.type == "cuda" else "every")
+    return [mode == "every" or (mode == "last" and s == steps - 1) for s in range(steps)]
+
+
 class Probe:
     """Per-step records of one rank's run (see the module docstring)."""
 
@@ -43,6 +51,7 @@ class Probe:
         self.plan, self.cfg, self.device, self.steps = plan, plan.cfg, plan.device, steps
         mode = self.cfg.count_comm
         self.mode = mode if mode != "auto" else ("last" if self.device.type == "cuda" else "every")
+        self._counted = counted_steps(mode, self.device, steps)
         self.dims_of = plan.dims.dim_of_groups()
         self.counter: CommCounter | None = None
         self.fwd_bwd: dict[str, int] | None = None
@@ -52,8 +61,8 @@ class Probe:
             "routing", "peaks")}
 
     def counted(self, step: int) -> bool:
-        """Whether ``step`` runs under the collective counter (its Python dispatch costs time)."""
-        return self.mode == "every" or (self.mode == "last" and step == self.steps - 1)
+        """Whether ``step`` runs under the collective counter (:func:`counted_steps`)."""
+        return self._counted[step]
 
     @contextmanager
     def step(self, step: int) -> Iterator[None]:
@@ -130,7 +139,8 @@ class Probe:
                "model_state_bytes": asdict(states) | {"total": states.total} if states else None,
                "model_state_bytes_per_step": rec["held"], "local_loss": rec["local"],
                "cuda_allocated_after_step": rec["allocated"],
-               "peak_memory_bytes": instruments.peak_memory(self.device), "coords": self.plan.dims.coords}
+               "peak_memory_bytes": instruments.peak_memory(self.device), "coords": self.plan.dims.coords,
+               "predicted_model_state_bytes": predicted_model_states(self.plan)}
         if self.plan.dims.degrees.cp > 1:
             out["kv_bytes_per_step"] = rec["kv"]
         if any(a is not None for a in rec["a2a"]):
@@ -139,12 +149,8 @@ class Probe:
             out["routing_per_step"] = rec["routing"]
         pipeline = self.plan.placed.pipeline
         if pipeline is not None:
-            from labkit.train.figures import pipeline_rank_figures
-
             out.update(pipeline_rank_figures(pipeline, rec["peaks"]))
         return out
 
     def result_fields(self, ranks: list[dict]) -> dict[str, Any]:
-        from labkit.train.figures import layout_fields
-
         return layout_fields(self.plan, ranks)

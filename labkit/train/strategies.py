@@ -99,7 +99,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              options=_PP, grad_accum=False, needs_group=True),
     Strategy("pp_scratch", "pipeline parallel by hand: GPipe and 1F1B with paired send/recv",
              "the layers (one stage per rank)", 0, None, degrees=(("pp", "pp"),), rest="dp_shard",
-             pp_impl="scratch", options=_PP, grad_accum=False, teaching=True, reshardable=False),
+             pp_impl="scratch", options=_PP, grad_accum=False, teaching=True),
     Strategy("mesh", "any layout on one device mesh: --dp-replicate, --dp-shard (FSDP2; 0: the ranks left), --tp, "
              "--pp, --cp, --ep, composed in torchtitan's order", "whatever the degrees split", 3, None,
              degrees=_MESH_DEGREES, rest="dp_shard", zero_means_all=False,
