@@ -2,18 +2,37 @@
 them from here)."""
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import torch
+import torch.distributed as dist
 
-from labkit.core.model import GPTConfig
-from labkit.train import TrainConfig, train
+from labkit.train import train
 
 
-def runs(jobs: list[tuple[TrainConfig, GPTConfig]]) -> list[dict]:
-    """Several runs of the loop in one launch, each with its own model; the big per-step lists that no
-    test reads are dropped on the way back."""
+def only_step(src: str, dst: str, step: int) -> None:
+    """A copy of the checkpoint directory ``src`` as it was when ``step`` was its newest checkpoint."""
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if n.startswith("step_")
+                                                       and n != f"step_{step:08d}"])
+    (dst / "latest").write_text(f"step_{step:08d}")
+
+
+def runs(jobs: list) -> list[dict]:
+    """Several runs of the loop in one launch, each ``(TrainConfig, GPTConfig)`` with its own model, or a
+    ``("copy", src, dst, step)`` of a checkpoint directory made by rank 0 between runs (so that a run can
+    resume what an earlier one saved: the processes' warm caches make a second launch unnecessary). The
+    big per-step lists no test reads are dropped on the way back."""
     torch.set_num_threads(1)
     out = []
-    for cfg, model in jobs:
+    for job in jobs:
+        if job[0] == "copy":
+            if dist.get_rank() == 0:
+                only_step(*job[1:])
+            dist.barrier()
+            continue
+        cfg, model = job
         r = train(cfg, model)
         for rank in r["ranks"]:
             for key in ("comm_calls_per_step", "allreduce_calls_per_step", "step_timed_without_counter"):

@@ -405,12 +405,12 @@ def test_resume_is_bit_exact_after_kills_under_torchrun(tmp_path):
     assert abs(fsdp_more["loss"][-1] - more["loss"][-1]) < 1e-5, (fsdp_more["loss"][-1], more["loss"][-1])
     # So do the tensor- and pipeline-parallel ones: TP's shards are contiguous blocks of a head-major QKV
     # matrix, and each stage's part (the tied head's optimizer state under the embedding's name) is read
-    # by whichever rank needs it; both go on as the DDP run does.
+    # by whichever rank needs it: one process holds exactly the weights the 2-rank run ended with.
     for s in ("tp", "pp"):
-        r = train(TrainConfig(strategy="single", checkpoint_dir=str(tmp_path / s), **BASE | {"steps": STEPS + 1}),
+        r = train(TrainConfig(strategy="single", checkpoint_dir=str(tmp_path / s), return_params=True, **BASE),
                   MODEL)
         assert r["start_step"] == STEPS and f"resharded from {s} x2 to single x1" in r["resume_notes"][0]
-        assert abs(r["loss"][-1] - more["loss"][-1]) < 1e-5, (s, r["loss"][-1], more["loss"][-1])
+        assert all(torch.equal(r["params"][k], v) for k, v in reference[s]["params"].items()), s
 
 
 def test_what_cannot_be_resharded_is_refused_up_front():

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh_fns import runs
+from mesh_fns import only_step, runs
 from labkit.core.model import GPTConfig
 from labkit.launch import launch
 from labkit.parallel.mesh import Degrees
@@ -32,7 +31,7 @@ LAYOUTS = {"tp2 pp2 dp2": (dict(tp=2, pp=2, dp_shard=2), MODEL),
            "hsdp2x2 tp2": (dict(dp_replicate=2, dp_shard=2, tp=2), MODEL),
            "moe ep2 fsdp2 tp2": (dict(ep=2, dp_shard=2, tp=2), MOE)}
 ROOT = Path(__file__).resolve().parent.parent
-STEPS, BF16_STEPS, SAVE_AT = 10, 3, 5
+STEPS, BF16_STEPS, SAVE_AT = 10, 3, 8  # resumed: the last 2 steps
 BASE = TrainConfig(steps=STEPS, batch_size=8, lr=3e-3, count_comm="none")
 FP32_TOL = 1e-5  # measured: at most 1e-6 in loss over 10 steps, every layout
 BF16_TOL = 2e-2  # bf16 autocast: each layout sums in another order than one process
@@ -45,11 +44,17 @@ def _cfg(degrees: dict, **kw) -> TrainConfig:
 
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory):
-    """Every layout in fp32 (checkpointing at step 5 and 10) and in bf16, in one 8-rank launch; the
-    one-process references."""
+    """One 8-rank launch: every layout in fp32 (checkpointing at steps 8 and 10), each then resumed from
+    its step-8 checkpoint in the same layout, the TP x PP x DP one also as FSDP on 8 ranks, and every
+    layout in bf16; the one-process references."""
     root = tmp_path_factory.mktemp("mesh")
-    jobs = [(_cfg(d, checkpoint_dir=str(root / name), save_every=SAVE_AT, return_params=True), m)
-            for name, (d, m) in LAYOUTS.items()]
+    jobs: list = [(_cfg(d, checkpoint_dir=str(root / name), save_every=SAVE_AT, return_params=True), m)
+                  for name, (d, m) in LAYOUTS.items()]
+    for name, (d, m) in LAYOUTS.items():
+        jobs += [("copy", str(root / name), str(root / f"{name}-resume"), SAVE_AT),
+                 (_cfg(d, checkpoint_dir=str(root / f"{name}-resume")), m)]
+    jobs += [("copy", str(root / "tp2 pp2 dp2"), str(root / "as-fsdp"), SAVE_AT),
+             (replace(BASE, strategy="fsdp", checkpoint_dir=str(root / "as-fsdp")), MODEL)]
     jobs += [(_cfg(d, steps=BF16_STEPS, precision="bf16"), m) for d, m in LAYOUTS.values()]
     got = launch(runs, jobs, world_size=8, timeout=900, quiet=True)[0]
     n = len(LAYOUTS)
@@ -57,7 +62,8 @@ def grid(tmp_path_factory):
     for m in (MODEL, MOE):
         refs[m] = {"fp32": train(replace(BASE, return_params=True), m),
                    "bf16": train(replace(BASE, steps=BF16_STEPS, precision="bf16"), m)}
-    return {"root": root, "fp32": dict(zip(LAYOUTS, got[:n])), "bf16": dict(zip(LAYOUTS, got[n:])), "refs": refs}
+    return {"root": root, "fp32": dict(zip(LAYOUTS, got[:n])), "resumed": dict(zip(LAYOUTS, got[n:2 * n])),
+            "as_fsdp": got[2 * n], "bf16": dict(zip(LAYOUTS, got[2 * n + 1:])), "refs": refs}
 
 
 def _diff(a: list[float], b: list[float]) -> float:
@@ -89,29 +95,14 @@ def test_each_rank_holds_the_model_states_the_layout_predicts(grid, name):
     assert got["params"] == want["params"] and 0 <= got["optimizer"] - want["optimizer"] <= 4 * tensors, name
 
 
-def _only_step(src, dst, step: int) -> None:
-    """A copy of the checkpoint directory ``src`` as it was when ``step`` was the newest checkpoint."""
-    shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if n.startswith("step_")
-                                                       and n != f"step_{step:08d}"])
-    (dst / "latest").write_text(f"step_{step:08d}")
-
-
 def test_every_layout_resumes_bit_for_bit_and_reshards_into_others(grid):
-    root = grid["root"]
-    jobs = []
-    for name, (degrees, model) in LAYOUTS.items():
-        _only_step(root / name, root / f"{name}-resume", SAVE_AT)
-        jobs.append((_cfg(degrees, checkpoint_dir=str(root / f"{name}-resume")), model))
-    _only_step(root / "tp2 pp2 dp2", root / "as-fsdp", SAVE_AT)  # TP x PP x DP, resumed as FSDP on 8 ranks
-    jobs.append((replace(BASE, strategy="fsdp", checkpoint_dir=str(root / "as-fsdp")), MODEL))
-    got = launch(runs, jobs, world_size=8, timeout=900, quiet=True)[0]
-    for name, r in zip(LAYOUTS, got):
+    for name, r in grid["resumed"].items():
         assert r["start_step"] == SAVE_AT and r["loss"] == grid["fp32"][name]["loss"], name  # bit for bit
-    uninterrupted = grid["fp32"]["tp2 pp2 dp2"]["loss"]
-    assert got[-1]["start_step"] == SAVE_AT and "resharded from mesh x8 to fsdp x8" in got[-1]["resume_notes"][0]
-    assert _diff(got[-1]["loss"], uninterrupted) < FP32_TOL
-    _only_step(root / "tp2 pp2 dp2", root / "as-one", SAVE_AT)  # ... and as one process
-    one = train(replace(BASE, checkpoint_dir=str(root / "as-one")), MODEL)
+    uninterrupted, fsdp = grid["fp32"]["tp2 pp2 dp2"]["loss"], grid["as_fsdp"]  # TP x PP x DP, as FSDP x 8
+    assert fsdp["start_step"] == SAVE_AT and "resharded from mesh x8 to fsdp x8" in fsdp["resume_notes"][0]
+    assert _diff(fsdp["loss"], uninterrupted) < FP32_TOL
+    only_step(grid["root"] / "tp2 pp2 dp2", grid["root"] / "as-one", SAVE_AT)  # ... and as one process
+    one = train(replace(BASE, checkpoint_dir=str(grid["root"] / "as-one")), MODEL)
     assert one["start_step"] == SAVE_AT and _diff(one["loss"], uninterrupted) < FP32_TOL
 
 

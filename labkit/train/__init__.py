@@ -2,10 +2,12 @@
 
 * :mod:`labkit.train.config`: :class:`TrainConfig`, a run described field by field.
 * :mod:`labkit.train.strategies`: every strategy as one record (what it shards, its ZeRO stage,
-  its communication per step, the options it takes, what it cannot do).
-* :mod:`labkit.train.plans`, :mod:`labkit.train.model_parallel_plans`: how each strategy places the
-  model and runs a step of the loop.
-* :mod:`labkit.train.loop`: :func:`train`, the loop; :mod:`labkit.train.resumable`, its checkpoints.
+  its communication per step, the options it takes, what it cannot do, its degrees on the mesh).
+* :mod:`labkit.train.plans`, :mod:`labkit.train.deepspeed_plan`: how a strategy places the model
+  (:func:`labkit.parallel.compose.parallelize`), its optimizer and loss scaler.
+* :mod:`labkit.train.loop`: :func:`train`, the loop, and :func:`~labkit.train.loop.train_step`, the
+  step; :mod:`labkit.train.probe` and :mod:`labkit.train.figures`, what it measures;
+  :mod:`labkit.train.resumable`, its checkpoints.
 * :mod:`labkit.train.lr_schedule`: warmup and cosine decay.
 * :mod:`labkit.train.noise_scale`: the gradient noise scale measured while the GPT trains;
   :mod:`labkit.train.batch_sweeps`, gradient accumulation and learning rate against the batch.

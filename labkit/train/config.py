@@ -72,12 +72,12 @@ class TrainConfig:
     offload_optimizer: bool = _f(False, "strategy", "zero1/zero2/zero3: Adam states and step on the CPU "
                                  "(ZeRO-Offload)")
     dp_replicate: int = _f(1, "strategy", "mesh: data-parallel replicas of the model (HSDP's replicate "
-                           "dimension; with --dp-shard 1, plain replication)")
-    dp_shard: int = _f(0, "strategy", "mesh: ranks FSDP2 shards each weight over (with the cp and ep ranks; 1: "
-                       "no sharding; 0: the ranks the other degrees leave)")
+                           "dimension; with --dp-shard 1 and no cp or ep, plain replication)")
+    dp_shard: int = _f(0, "strategy", "mesh: data-parallel ranks FSDP2 shards each weight over, the cp and ep ranks "
+                       "joining them (0: the ranks the other degrees leave)")
     tp: int = _f(0, "strategy", "tp, tp_scratch, mesh: tensor-parallel degree, ranks per group (0: every rank; "
                  "mesh: 1); the other world/tp ranks are FSDP2 data parallel")
-    sequence_parallel: bool = _f(False, "strategy", "tp: LayerNorms and dropout on s/tp tokens per rank "
+    sequence_parallel: bool = _f(False, "strategy", "tp, mesh: LayerNorms and dropout on s/tp tokens per rank "
                                  "(all-gather + reduce-scatter instead of all-reduce)")
     cp: int = _f(0, "strategy", "cp, mesh: context-parallel degree, ranks sharing each sequence (0: every rank; "
                  "mesh: 1); the other world/cp ranks are data parallel")
