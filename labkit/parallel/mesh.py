@@ -117,9 +117,9 @@ class Degrees:
 class ParallelDims:
     """The mesh of a run and every group cut from it (a collective: every rank builds it, in order).
 
-    Views of one 1-D world mesh, unflattened as torchtitan does: ``mesh`` has the six dimensions of
-    :data:`DIMS` (size-1 ones too, so every slice exists); ``dense`` is ``(pp, replicate, shard, tp)``,
-    the data-parallel dimensions regrouped as FSDP2 takes them (module docstring).
+    Views of one 1-D world mesh, unflattened as torchtitan does: ``mesh`` has the dimensions of
+    :data:`DIMS` above 1; ``dense`` is ``(pp, replicate, shard, tp)``, the data-parallel dimensions
+    regrouped as FSDP2 takes them (module docstring), again those above 1 (HSDP keeps a shard of 1).
     """
 
     def __init__(self, degrees: Degrees, device_type: str = "cpu") -> None:
@@ -144,7 +144,8 @@ class ParallelDims:
 
     def dense_group(self, dim: str) -> dist.ProcessGroup | None:
         """The ``replicate`` or ``shard`` group of the dense weights (module docstring)."""
-        return self.dense[dim].get_group() if self.dense is not None and self.dense[dim].size() > 1 else None
+        dense = self.dense
+        return dense[dim].get_group() if dense is not None and _size(dense, dim) > 1 else None
 
     def submesh(self, dim: str):
         """``dim``'s 1-D device mesh (DTensor's tensor-parallel mesh, torch's context_parallel)."""
@@ -195,7 +196,7 @@ class ParallelDims:
             return out
         for view, names in ((self.dense, ("replicate", "shard", "tp", "pp")), (self.mesh, DIMS)):
             for d in names:
-                if view[d].size() > 1:
+                if _size(view, d) > 1:
                     out.setdefault(view[d].get_group().group_name, d)
         if self.tokens_group is not None:
             out.setdefault(self.tokens_group.group_name, "tokens")
@@ -218,14 +219,29 @@ def _built(d: Degrees, device_type: str, rank: int) -> tuple:
     from torch.distributed.device_mesh import init_device_mesh
 
     world = init_device_mesh(device_type, (d.world,), mesh_dim_names=("world",))
-    mesh = world._unflatten(0, tuple(getattr(d, n) for n in DIMS), DIMS)
-    dense = world._unflatten(0, (d.pp, d.replicate, d.shard, d.tp), ("pp", "replicate", "shard", "tp"))
+    # HSDP's 2-D meshes keep a shard dimension of 1 (replication alone); FSDP2 takes them so.
+    mesh = _view(world, {n: getattr(d, n) for n in DIMS}, keep="dp_shard" if d.dp_replicate > 1 else "")
+    dense = _view(world, {"pp": d.pp, "replicate": d.replicate, "shard": d.shard, "tp": d.tp},
+                  keep="shard" if d.replicate > 1 else "")
     tokens_group = None
     if d.tokens > 1:
-        tokens_group = world._unflatten(0, (d.pp, d.tokens, d.tp), ("pp", "tokens", "tp"))["tokens"].get_group()
+        tokens_group = _view(world, {"pp": d.pp, "tokens": d.tokens, "tp": d.tp})["tokens"].get_group()
     pp_ends = _pp_ends(d, mesh, rank)
     _BUILT[(device_type, d)] = (world_group, mesh, dense, tokens_group, pp_ends)
     return mesh, dense, tokens_group, pp_ends
+
+
+def _size(view, dim: str) -> int:
+    """``dim``'s size in a view (1 where the view left it out)."""
+    return view[dim].size() if dim in view.mesh_dim_names else 1
+
+
+def _view(world, sizes: dict[str, int], keep: str = ""):
+    """``world`` unflattened into the dimensions of ``sizes`` above 1 (and ``keep``): DeviceMesh builds
+    world-many groups for every dimension, each creation synchronised over all ranks, so a dimension
+    of 1 would cost as much as one of 2 and hold nothing."""
+    names = tuple(n for n, size in sizes.items() if size > 1 or n == keep)
+    return world._unflatten(0, tuple(sizes[n] for n in names), names)
 
 
 def _pp_ends(d: Degrees, mesh, rank: int) -> dist.ProcessGroup | None:
