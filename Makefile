@@ -76,7 +76,7 @@ lab-ui: $(STAMP) $(LAB_SETTINGS)
 
 # The graded exercises at the end of every lab, as nbgrader assignments (book/instructors.md).
 assignments: $(STAMP)
-	$(PY) -m labkit.assignments
+	$(PY) -m labkit.labs.assignments
 
 # On a GPU node or hub image: no set-up, so it runs where CUDA torch is installed and no registry is
 # reachable (.venv's Python when there is one, else python3 with labkit on the path).

@@ -589,3 +589,14 @@ def test_image_and_venv_give_students_the_same_jupyterlab():
     for lab in list_labs():
         assert jupytext.read(LABS_DIR / f"{lab}.md").metadata["kernelspec"]["name"] == "labkit", lab
     assert KERNELSPEC["name"] == "labkit"
+
+
+def test_every_module_the_makefile_and_cluster_recipes_run_exists():
+    """`python -m X` in the Makefile or a cluster recipe: X must import (`make assignments` once named a
+    module that did not exist, and only an instructor running it would have found out)."""
+    import importlib.util
+
+    files = [ROOT / "Makefile", *(p for p in CLUSTER.rglob("*") if p.is_file())]
+    modules = {m for f in files for m in re.findall(r"-m ([A-Za-z_][\w.]*)", f.read_text(errors="replace"))}
+    assert "labkit.train" in modules  # the pattern reads the recipes
+    assert not [m for m in sorted(modules) if importlib.util.find_spec(m) is None]
