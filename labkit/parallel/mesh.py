@@ -127,7 +127,8 @@ class ParallelDims:
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         degrees.check(self.world)
         self.coords = degrees.coords(self.rank)
-        # The token ranks of this rank's (pp, tp) place: the loss and MoE routing are summed over them.
+        # tokens_group: the token ranks of this rank's (pp, tp) place, over which the loss and MoE
+        # routing are summed; pp_ends_group: the first and last stage, the tied embedding's holders
         self.mesh = self.dense = self.tokens_group = self.pp_ends_group = None
         if self.world > 1:
             self.mesh, self.dense, self.tokens_group, self.pp_ends_group = _built(degrees, device_type, self.rank)
