@@ -46,7 +46,7 @@ def browser():
 # the longest units go first, so that neither worker is left with a long tail. (The scheduler is
 # ours: xdist 3.8's loadgroup renames node ids, which pytest 9 no longer lets it do.)
 UNITS = {"test_labs": "labs", "test_book": "labs"}
-FIRST = ("labs", "test_assignments", "test_slurm", "test_jupyterlab", "test_fault_tolerance", "test_train",
+FIRST = ("labs", "test_assignments", "test_mesh", "test_slurm", "test_jupyterlab", "test_fault_tolerance", "test_train",
          "test_sharded")
 
 
