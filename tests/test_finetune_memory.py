@@ -126,7 +126,10 @@ def test_finetune_kinds_shard_by_stage_and_full_equals_pretraining():
     assert full.total == pre.total and full.frozen_weights == 0
     lora = estimate_finetune("llama2-70b", "lora", 16, world_size=8, stage=3)
     assert lora.activations > pre.activations + pre.head  # backward still runs through every frozen layer
-    assert lora.total < full.total / 2 and lora.to_dict()["fits"] is False
+    # LoRA drops the trained states; the activations of a SwiGLU block (40.5 sbh a layer), which it
+    # keeps, are then most of what is left
+    assert lora.total < 0.6 * full.total and lora.activations > lora.total / 2
+    assert lora.to_dict()["fits"] is False
 
 
 def test_zero_formula_against_deepspeed_numbers_in_the_issue():

@@ -169,3 +169,15 @@ def test_the_chooser_reaches_for_context_parallelism_on_long_sequences():
     assert all(o.step["context_parallel"] > 0 for o in cp)
     moe = choose_strategy("mixtral-8x7b", 64, 80, device="h100-80gb")
     assert any(o.label.startswith("EP=8") and o.step["expert_parallel"] > 0 for o in moe.options)
+
+
+def test_a_swiglu_gqa_block_keeps_40_5_sbh_where_gpt_keeps_34():
+    from labkit.memory import MODELS, activation_bytes_per_layer, estimate_memory
+
+    s, b, h = 4096, 1, 8192
+    gpt = activation_bytes_per_layer(s, b, h, 64, dropout=True, flash_attention=True) - 4 * 64 * s * b
+    assert gpt == 34 * s * b * h
+    shape = MODELS["llama2-70b"]
+    est = estimate_memory(shape, 1, 1, 0, "mixed")
+    lse = 4 * shape.heads * s * b  # FlashAttention's fp32 log-sum-exp
+    assert est.parts["activation_bytes_per_layer"] - lse == 40.5 * s * b * h  # no dropout, 8 K/V heads, 4 ffn tensors

@@ -166,6 +166,11 @@ MODELS = {
     "llama-65b": _llama(8192, 80, 64, 22016, seq_len=2048, note="LLaMA 65B, Touvron et al. 2023a (QLoRA's 65B)"),
     "llama2-70b": _llama(8192, 80, 64, 28672, kv_heads=8, note="Touvron et al. 2023 (GQA, 8 KV heads)"),
     "gpt3-175b": ModelShape(175_000_000_000, 96, 12288, 96, 50257, 2048, "Brown et al. 2020"),
+    # Llama 3 (Dubey et al. 2024, Table 3): 8 KV heads, vocabulary 128,256, 8k context in pre-training.
+    "llama3-8b": _llama(4096, 32, 32, 14336, kv_heads=8, vocab=128256, seq_len=8192, note="Dubey et al. 2024"),
+    "llama3-70b": _llama(8192, 80, 64, 28672, kv_heads=8, vocab=128256, seq_len=8192, note="Dubey et al. 2024"),
+    "llama3-405b": _llama(16384, 126, 128, 53248, kv_heads=8, vocab=128256, seq_len=8192,
+                          note="Dubey et al. 2024"),
     "mixtral-8x7b": ModelShape.from_dims("llama", 4096, 32, 32, 32000, 4096, kv_heads=8, intermediate=14336,
                                          experts=8, experts_per_token=2, tied=False,
                                          note="Jiang et al. 2024: 8 experts, 2 per token (46.7B total, 12.9B active)"),

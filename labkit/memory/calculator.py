@@ -89,7 +89,8 @@ def model_state_breakdown(n_params: int, world_size: int = 1, stage: int = 0,
 def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
                                sequence_parallel: bool = False, recompute: str = "none",
                                dtype_bytes: int = 2, dropout: bool = True,
-                               flash_attention: bool = False) -> int:
+                               flash_attention: bool = False, kv_dim: int | None = None,
+                               ffn: int | None = None, swiglu: bool = False) -> int:
     """Bytes one transformer layer keeps for backward (Korthikanti et al. 2022, Table 2).
 
     With the defaults (16-bit activations, dropout, attention scores stored) this is exactly the
@@ -100,6 +101,12 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     dropout keeps a 1-byte mask (two of sbh, one of as^2b); the scores keep the softmax output
     (and the dropout output). Flash attention keeps an fp32 log-sum-exp of asb instead of scores.
     ``recompute="selective"`` drops the score term, ``"full"`` keeps only the layer input.
+
+    A LLaMA-style block (``swiglu``, grouped-query ``kv_dim``, its ``ffn`` width) keeps, split by
+    TP, Q (h), K and V (``kv_dim`` each), the projection input (h) and four ffn-wide tensors of its
+    SwiGLU MLP as PyTorch saves them (gate, SiLU(gate), up, and the down projection's input): 40.5sbh
+    for a Llama-2-70B layer instead of GPT's 34sbh. GPT's split 12sbh is the same count with
+    ``kv_dim = h`` and two 4h tensors.
     """
     s, b = _count("seq_len", seq_len), _count("micro_batch", micro_batch)
     h, a, t = _count("hidden", hidden), _count("heads", heads), _count("tp", tp)
@@ -112,7 +119,8 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     if recompute == "full":
         return math.ceil(Fraction(d * sbh, sp))
     unsplit = Fraction((4 * d + 2 * m) * sbh, sp)
-    split = Fraction(12 * d * sbh, t)
+    kv, f = kv_dim or h, ffn or 4 * h
+    split = Fraction(d * s * b * (2 * h + 2 * kv + (4 if swiglu else 2) * f), t)
     if recompute == "selective":
         scores = 0
     elif flash_attention:
@@ -200,7 +208,7 @@ def estimate_memory(model, micro_batch: int = 1, world_size: int = 1, stage: int
                     precision: str = "mixed", recompute: str = "none", tp: int = 1,
                     sequence_parallel: bool = False, device_memory_gb: float = 80.0,
                     offload_optimizer: bool = False, flash_attention: bool = True,
-                    dropout: bool = True, seq_len: int | None = None, pp: int = 1, cp: int = 1,
+                    dropout: bool | None = None, seq_len: int | None = None, pp: int = 1, cp: int = 1,
                     ep: int = 1) -> MemoryEstimate:
     """Whole-model, per-device estimate: model states, activations of every layer, and the head.
 
@@ -237,16 +245,18 @@ def estimate_memory(model, micro_batch: int = 1, world_size: int = 1, stage: int
     s = full_s // cp  # this rank's tokens of every sequence
     states = parallel_parts(shape, world_size, stage, precision, tp, pp, ep)
     act_dtype = 4 if precision == "fp32" else 2
+    dropout = shape.family == "gpt" if dropout is None else dropout  # LLaMA-style blocks have none
+    block = dict(kv_dim=shape.n_kv_heads * shape.d_head, ffn=shape.ffn, swiglu=shape.family != "gpt")
     per_layer = activation_bytes_per_layer(s, micro_batch, shape.hidden, shape.heads, tp,
                                            sequence_parallel, recompute, act_dtype,
-                                           dropout=dropout, flash_attention=flash_attention)
+                                           dropout=dropout, flash_attention=flash_attention, **block)
     if shape.experts_per_token > 1 and recompute != "full":
         per_layer = math.ceil(per_layer * (1 + Fraction(19 * (shape.experts_per_token - 1), 34)))
     layers = per_layer * shape.n_layer
     if recompute == "full":  # backward re-materialises one layer at a time on top of the inputs kept
         layers += activation_bytes_per_layer(s, micro_batch, shape.hidden, shape.heads, tp, sequence_parallel,
                                              "none", act_dtype, dropout=dropout,
-                                             flash_attention=flash_attention)
+                                             flash_attention=flash_attention, **block)
     micro_batch = _count("micro_batch", micro_batch)
     head = 2 * act_dtype * s * micro_batch * shape.hidden + math.ceil(4 * s * micro_batch * shape.vocab / tp)
     if pp > 1:  # the per-device peak: the first stage's in-flight layers, or the last stage's head

@@ -1,0 +1,92 @@
+"""What an accelerator and its links achieve, as the step-time model needs them, each with its source.
+
+Datasheets give peaks; a training step runs at what kernels and collectives achieve. Every constant
+the model of :mod:`labkit.planning.step_model` uses is here, named, per accelerator, with where it
+comes from, and none is fitted to the published runs the model is held against
+(:mod:`labkit.planning.published`):
+
+* ``matmul_efficiency``: the share of the dense bf16 peak a large GEMM reaches. Measured by this
+  project on an H200 (790 of 989 TFLOP/s, ``torch.matmul`` of 8192-square bf16 matrices); the H100
+  has the same GH100 compute die. The A100's is assumed equal (no measurement of ours).
+* ``attention_efficiency``: what FlashAttention-2 reaches in forward plus backward, head dim 128,
+  counted as its paper counts (Dao 2023, Fig. 4: about 190 of 312 TFLOP/s on an A100; on an H100
+  its forward plateaus at 350-370 of 989 and its backward is slower: Shah et al. 2024,
+  FlashAttention-3, Fig. 5, the FlashAttention-2 bars), 0.61 and 0.34 of peak.
+* ``hbm_efficiency``: the share of the datasheet memory bandwidth a streaming kernel reaches, for
+  the memory-bound ops (norms, activations, residual adds, the loss, the optimizer step): an
+  assumption of 0.85, stated so that it can be replaced by a measurement.
+* Links: NCCL's own latency model (``src/graph/tuning.cc``, the Simple protocol: 8.4 us to start a
+  collective and 3.4 us per ring step over NVLink, 14 us per step across the network) and a bus
+  bandwidth (nccl-tests' ``busbw``, what a ring moves per rank per second): nccl-tests' reference
+  figure where one is published (8 A100s: 230-250 GB/s), otherwise an assumed share of the line
+  rate (80% of NVLink 4 without NVLink SHARP, 90% of a NIC), said in each link's ``source``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from labkit.core.checks import one_of
+
+NCCL_BASE_LATENCY_S = 8.4e-6  # src/graph/tuning.cc: baseLat, Ring and Tree, Simple protocol
+
+
+@dataclass(frozen=True)
+class Link:
+    """One class of link: latency per ring step and achieved bus bandwidth per GPU."""
+
+    name: str
+    step_latency_s: float
+    busbw_gb_per_s: float  # nccl-tests' busbw: bytes a ring rank sends per second, 1e9 bytes
+    source: str
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_tflops: float  # dense bf16, datasheet
+    hbm_gb_per_s: float  # datasheet
+    matmul_efficiency: float
+    attention_efficiency: float
+    hbm_efficiency: float
+    node: Link  # between the GPUs of one node
+    network: Link  # between nodes, per GPU (one NIC per GPU, rail-optimised)
+    devices_per_node: int
+    source: str
+
+    @property
+    def matmul_flops(self) -> float:
+        return self.peak_tflops * 1e12 * self.matmul_efficiency
+
+    @property
+    def attention_flops(self) -> float:
+        return self.peak_tflops * 1e12 * self.attention_efficiency
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.hbm_gb_per_s * 1e9 * self.hbm_efficiency
+
+
+_NVLINK3 = Link("NVLink 3 (A100 node)", 3.4e-6, 230.0, "nccl-tests all_reduce on 8 A100 SXM4: busbw 230-250 GB/s; "
+                "NCCL tuning.cc: 3.4 us per ring step over NVLink")
+_NVLINK4 = Link("NVLink 4 (H100 node)", 3.4e-6, 360.0, "assumed 80% of NVLink 4's 450 GB/s per direction for a ring "
+                "(nccl-tests reach 460-480 GB/s with NVLink SHARP); tuning.cc: 3.4 us per step")
+_HDR = Link("InfiniBand HDR, 200 Gb/s per GPU", 14e-6, 22.5, "8 x 200 Gb/s HDR per node (Selene, Narayanan "
+            "et al. 2021 section 5): 25 GB/s per GPU line rate, 90% of it assumed; tuning.cc: 14 us per step")
+_NDR = Link("InfiniBand NDR / RoCE, 400 Gb/s per GPU", 14e-6, 45.0, "one 400 Gb/s NIC per GPU (DGX H100; "
+            "Llama 3's RoCE fabric, Dubey et al. 2024 section 3.3): 50 GB/s line rate, 90% of it assumed")
+
+HARDWARE = {
+    "a100-80gb": Hardware("NVIDIA A100 80GB SXM", 312.0, 2039.0, 0.80, 0.61, 0.85, _NVLINK3, _HDR, 8,
+                          "A100 datasheet: 312 TFLOP/s bf16 dense, 2,039 GB/s HBM2e"),
+    "a100-40gb": Hardware("NVIDIA A100 40GB SXM", 312.0, 1555.0, 0.80, 0.61, 0.85, _NVLINK3, _HDR, 8,
+                          "A100 datasheet: 312 TFLOP/s bf16 dense, 1,555 GB/s HBM2"),
+    "h100-80gb": Hardware("NVIDIA H100 80GB SXM", 989.0, 3350.0, 0.80, 0.34, 0.85, _NVLINK4, _NDR, 8,
+                          "H100 datasheet: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3 (SXM5)"),
+    "h200": Hardware("NVIDIA H200 141GB SXM", 989.0, 4800.0, 0.80, 0.34, 0.85, _NVLINK4, _NDR, 8,
+                     "H200 datasheet: 989 TFLOP/s bf16 dense, 4.8 TB/s HBM3e"),
+}
+
+
+def hardware(name: str) -> Hardware:
+    """The entry of ``HARDWARE`` called ``name``; a ValueError listing them otherwise."""
+    return HARDWARE[one_of("device", name, sorted(HARDWARE), "devices")]

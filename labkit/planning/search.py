@@ -1,0 +1,142 @@
+"""Plan a run as practitioners do: a global batch fixed first, then every layout that fits, ranked.
+
+A run cannot use an arbitrarily large batch: past the critical batch size more tokens per step stop
+buying progress (McCandlish et al. 2018), so the global batch, in tokens, is an input. It bounds data
+parallelism: ``dp x micro-batch`` sequences at least, and a pipeline needs ``pp`` micro-batches per
+replica or more. Within that, :func:`search` enumerates DP (replicated, or sharded with FSDP) x TP
+(inside a node) x PP x CP x micro-batch x recomputation, keeps the layouts whose memory per device
+fits (:func:`labkit.memory.calculator.estimate_memory`) and that the training loop accepts
+(:func:`labkit.parallel.checks.check_layout`), predicts each one's step
+(:func:`labkit.planning.step_model.predict`), and ranks them by predicted time. :func:`why` names
+the terms in which the winner beats the runner-up.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from labkit.memory.architecture import ModelShape
+from labkit.memory.calculator import GB, estimate_memory
+from labkit.parallel.checks import check_layout
+from labkit.parallel.mesh import Degrees
+from labkit.planning.candidates import model_config
+from labkit.planning.hardware import Hardware
+from labkit.planning.step_model import Plan, predict
+
+TERMS = ("compute", "tensor_parallel", "context_parallel", "pipeline_p2p", "fsdp", "bubble", "data_parallel",
+         "optimizer")
+
+
+@dataclass(frozen=True)
+class Ranked:
+    plan: Plan
+    label: str
+    prediction: dict  # step_model.predict's
+    memory_bytes: int
+    train_args: list
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def label(plan: Plan) -> str:
+    dims = [f"TP {plan.tp}"] if plan.tp > 1 else []
+    if plan.pp > 1:
+        dims.append(f"PP {plan.pp}" + (" interleaved" if plan.schedule == "interleaved" else ""))
+    if plan.cp > 1:
+        dims.append(f"CP {plan.cp}")
+    dims.append(("FSDP " if plan.zero == 3 else "DP ") + str(plan.dp))
+    extra = [f"micro-batch {plan.micro_batch}"] + ([f"{plan.recompute} recompute"] if plan.recompute != "none" else [])
+    return " x ".join(dims) + "; " + ", ".join(extra)
+
+
+def train_args(plan: Plan, seq_len: int) -> list[str]:
+    """The ``python -m labkit.train`` flags that run ``plan`` (labkit's mesh strategy, or plain DP)."""
+    composed = plan.tp * plan.pp * plan.cp > 1
+    if not composed:
+        args = ["--strategy", "fsdp" if plan.zero == 3 else "ddp"]
+    else:
+        d = degrees(plan)
+        args = ["--strategy", "mesh"] + [x for dim in ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+                                          if getattr(d, dim) > 1 or dim == "dp_shard"
+                                          for x in ("--" + dim.replace("_", "-"), str(getattr(d, dim)))]
+        if plan.tp > 1:
+            args.append("--sequence-parallel")
+    args += ["--batch-size", str(plan.global_batch), "--block-size", str(seq_len)]
+    if plan.pp > 1:
+        args += ["--microbatches", str(plan.microbatches), "--pp-schedule", plan.schedule]
+    elif plan.microbatches > 1:
+        args += ["--grad-accum", str(plan.microbatches)]
+    if plan.recompute != "none":
+        args += ["--activation-checkpointing", plan.recompute]
+    return args
+
+
+def degrees(plan: Plan) -> Degrees:
+    data = {"dp_shard": plan.dp} if plan.zero == 3 else {"dp_replicate": plan.dp}
+    return Degrees(pp=plan.pp, cp=plan.cp, tp=plan.tp, **data)
+
+
+def _refused(plan: Plan, shape: ModelShape) -> str | None:
+    if plan.zero != 3 and plan.cp > 1:
+        return "context-parallel ranks shard the weights with FSDP"
+    try:
+        check_layout(degrees(plan), model_config(shape, shape.seq_len), plan.global_batch // plan.dp,
+                     plan.microbatches if plan.pp > 1 else None, plan.schedule, "torch", plan.tp > 1,
+                     plan.recompute)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def plans(shape: ModelShape, n_devices: int, global_batch: int, devices_per_node: int = 8) -> list[Plan]:
+    """Every layout of ``n_devices`` for ``global_batch`` sequences a step, before memory is checked."""
+    out = []
+    tps = [t for t in _divisors(devices_per_node) if shape.heads % t == 0 and shape.n_kv_heads % t == 0]
+    cps = [c for c in (1, 2, 4, 8, 16) if shape.seq_len % (2 * c) == 0 and (c == 1 or shape.seq_len >= 16384)]
+    for tp in tps:
+        for cp in cps:
+            for pp in (p for p in _divisors(n_devices // tp // cp if n_devices % (tp * cp) == 0 else 1)
+                       if p <= shape.n_layer):
+                if n_devices % (tp * cp * pp):
+                    continue
+                dp = n_devices // (tp * cp * pp)
+                if global_batch % dp:
+                    continue
+                for mb in (b for b in (1, 2, 4, 8) if (global_batch // dp) % b == 0):
+                    m = global_batch // (dp * mb)
+                    if pp > 1 and m < pp:
+                        continue
+                    schedules = [("1f1b", 1)] + ([("interleaved", 2)] if pp > 1 and shape.n_layer % (2 * pp) == 0
+                                                 else [])
+                    for sched, v in schedules:
+                        for zero in ((0, 3) if cp == 1 else (3,)):
+                            for rec in ("none", "full"):  # selective: nothing under FlashAttention
+                                out.append(Plan(tp=tp, pp=pp, cp=cp, dp=dp, micro_batch=mb,
+                                                global_batch=global_batch, zero=zero, recompute=rec,
+                                                schedule=sched, chunks=v))
+    return out
+
+
+def search(shape: ModelShape, hw: Hardware, n_devices: int, global_batch_tokens: int, memory_gb: float,
+           headroom: float = 0.1) -> list[Ranked]:
+    """The layouts that fit and run, fastest first (see the module docstring)."""
+    if global_batch_tokens % shape.seq_len:
+        raise ValueError(f"global_batch_tokens={global_batch_tokens} must be whole sequences of {shape.seq_len}")
+    usable = memory_gb * GB * (1 - headroom)
+    ranked = []
+    for plan in plans(shape, n_devices, global_batch_tokens // shape.seq_len, hw.devices_per_node):
+        est = estimate_memory(shape, plan.micro_batch, n_devices, plan.zero, "mixed", plan.recompute, plan.tp,
+                              sequence_parallel=plan.tp > 1, device_memory_gb=memory_gb, pp=plan.pp, cp=plan.cp)
+        if est.total > usable or _refused(plan, shape):
+            continue
+        ranked.append(Ranked(plan, label(plan), predict(shape, plan, hw), est.total, train_args(plan, shape.seq_len)))
+    return sorted(ranked, key=lambda r: r.prediction["total"])
+
+
+def why(first: Ranked, second: Ranked) -> str:
+    """The terms of the step in which ``first`` beats ``second``, largest first."""
+    diffs = sorted(((second.prediction[t] - first.prediction[t], t) for t in TERMS), reverse=True)
+    gains = [f"{t.replace('_', ' ')} {d * 1e3:,.0f} ms less" for d, t in diffs if d > 1e-4][:3]
+    losses = [f"{t.replace('_', ' ')} {-d * 1e3:,.0f} ms more" for d, t in diffs if d < -1e-4][:2]
+    return "; ".join(gains + losses) or "the same predicted step"
