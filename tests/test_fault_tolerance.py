@@ -7,6 +7,8 @@ import random
 import resource
 import select
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -450,3 +452,25 @@ def test_checkpoint_benchmark_measures_a_restorable_state(tmp_path):
     assert set(r["hash_gbps"]) == {"xxh3_64", "crc32", "sha256"}
     with pytest.raises(ValueError, match="repeats must be a positive integer, got 0"):
         measure(GPTConfig(block_size=16), tmp_path, repeats=0)
+
+
+def test_checkpoints_work_without_xxhash_on_a_bare_gpu_image(tmp_path):
+    """Issue 27, item 5: xxhash was imported at module level, so where it is absent (the GPU image)
+    the determinism item and the fault-tolerance lab were lost. Without it the default is CRC-32."""
+    code = (
+        "import sys; sys.modules['xxhash'] = None\n"
+        "import torch\n"
+        "from labkit.fault_tolerance.files import DEFAULT_HASH, available_hashes, file_digest\n"
+        "from labkit.fault_tolerance import Checkpointer\n"
+        "assert DEFAULT_HASH == 'crc32' and available_hashes() == ('crc32', 'sha256'), available_hashes()\n"
+        f"ck = Checkpointer({str(tmp_path)!r})\n"
+        "ck.save(3, {'w': torch.arange(4.0), 'step': 3})\n"
+        "step, state = ck.load_latest()\n"
+        "print(ck.hash, step, state['w'].tolist())\n"
+        "try:\n"
+        "    file_digest(sys.executable, 'xxh3_64')\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print('missing', e.name)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[:2] == ["crc32 3 [0.0, 1.0, 2.0, 3.0]", "missing xxhash"], proc.stdout

@@ -84,6 +84,41 @@ def test_missing_packages_skip_with_their_name(monkeypatch):
     assert fail.status == "fail" and fail.detail == "RuntimeError: NCCL error: unhandled system error"
 
 
+def test_a_lab_that_needs_a_missing_package_is_a_skip_and_a_failure_keeps_why(tmp_path):
+    """Issue 27, items 2 and 8: LabSkipped (a RuntimeError) was reported as FAIL; a failure on a rank
+    kept only "1 rank(s) failed: [0]"."""
+    from labkit.labs.gpu_check import report
+    from labkit.labs.script import LabSkipped
+    from labkit.launch import RankError
+
+    def lab_needs_pandas():
+        raise LabSkipped("lab 'memory' needs the package 'pandas', which is not installed (cell 1)")
+
+    tb = ("Traceback (most recent call last):\n  File \"x.py\", line 3, in step\n    stage(...)\n"
+          "TypeError: PipelineStage.__init__() got an unexpected keyword argument 'output_grads'\n")
+
+    def rank_fails():
+        raise RankError({0: tb, 1: "rank 1 was stopped 5.0 s after rank 0 failed"})
+
+    (skip,), (fail,) = _guarded("lab memory", lab_needs_pandas), _guarded("strategies", rank_fails)
+    assert skip.status == "skip" and "'pandas'" in skip.detail
+    assert fail.status == "fail"
+    assert fail.detail == "rank 0: TypeError: PipelineStage.__init__() got an unexpected keyword argument 'output_grads'"
+    assert "output_grads" in fail.error and "Traceback" in fail.error and "RankError" in fail.error
+    js, md = report([skip, fail], Setting("cpu", 2, 2), tmp_path)
+    saved = json.loads(js.read_text())["items"]
+    assert saved[1]["error"] == fail.error and "| strategies | FAIL | rank 0: TypeError" in md.read_text()
+    env = items_environment()
+    assert {"cloudpickle", "xxhash", "pandas", "matplotlib", "nbformat", "peft"} <= set(env.figures["packages"])
+
+
+def items_environment():
+    from labkit.labs.gpu_items import environment
+
+    (env,) = environment(Setting("cpu", 2, 2))
+    return env
+
+
 def test_gpu_check_items_run_on_cpu_processes(tmp_path):
     """The same items a GPU node runs, on two gloo ranks: a check of the check. Every strategy's
     metrics carry the speed and memory keys (the strategies item fails a run that lacks one)."""
@@ -195,3 +230,160 @@ def test_make_gpu_check_is_the_same_command():
     proc = subprocess.run(["make", "-s", "gpu-check"], capture_output=True, text=True, timeout=120,
                           env={**ENV, "MAKEFLAGS": ""}, cwd=Path(__file__).resolve().parent.parent)
     assert proc.returncode != 0 and "no CUDA GPU is visible" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_data_parallel_lab_reads_collective_counts_as_cuda_records_them():
+    """Issue 27, item 4: on CUDA only the last step is counted (the others hold None), and the lab took
+    np.median and .min() over the whole lists: a TypeError on any GPU run, which CPU runs never show."""
+    import numpy as np
+
+    from labkit.labs import LABS_DIR
+    from labkit.labs.script import cells
+    from labkit.train.probe import counted
+
+    def run(calls: int, nbytes: int) -> dict:  # as a CUDA run records it: None but the last step
+        return {"loss": [1.0, 0.9, 0.8], "grad_bytes": nbytes,
+                "ranks": [{"allreduce_calls_per_step": [None, None, calls],
+                           "allreduce_bytes_per_step": [None, None, nbytes]}]}
+
+    sources = [c for c, _ in cells(LABS_DIR / "data_parallel.md")]
+    src = next(c for c in sources if "def calls(run)" in c)
+    ns = {"np": np, "counted": counted, "ref": run(0, 0), "ddp": run(1, 400),
+          "hand_runs": [run(5, 400), run(2, 400)], "loss_ddp": np.array([1.0, 0.9, 0.8])}
+    exec(compile(src, "data_parallel.md", "exec"), ns)  # the lab's own cell
+    assert [ns["calls"](ns["runs"][s]) for s in ("ddp", "dp_naive", "dp_bucketed")] == [1, 5, 2]
+    per_step = next(c for c in sources if "allreduce_bytes_per_step" in c and "per_step = " in c)
+    assert 'counted(runs[s]["ranks"][0]["allreduce_bytes_per_step"])' in per_step
+    with pytest.raises(ValueError, match="no step of this run was counted"):
+        counted([None, None])
+
+
+def test_without_numpy_the_check_still_trains_and_writes_its_report(tmp_path):
+    """Issue 27, item 12: the RNG capture imported numpy at module level, so a Python without it lost
+    the whole check before any report. Without numpy there is no NumPy generator to save."""
+    code = ("import sys; sys.modules['numpy'] = None\n"
+            "from labkit.labs.gpu_check import main\n"
+            f"sys.exit(main(['--device', 'cpu', '--only', 'environment,strategies', '--strategies', 'single',"
+            f" '--steps', '2', '--out', {str(tmp_path)!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    env = next(i for i in report["items"] if i["name"] == "environment")
+    assert env["figures"]["packages"]["numpy"] is None and "not installed: numpy" in env["detail"]
+    assert report["counts"]["fail"] == 0
+
+
+def test_what_the_check_starts_can_import_labkit_from_an_uninstalled_checkout(tmp_path):
+    """Issue 27, item 7: `python3 -m labkit.gpu_check` from a checkout finds labkit in its working
+    directory, but torchrun's workers and a lab's child processes did not: PYTHONPATH now names it."""
+    code = ("import os\n"
+            "from labkit.labs.gpu_check import main\n"
+            f"main(['--device', 'cpu', '--only', 'environment', '--out', {str(tmp_path)!r}])\n"
+            "print(os.environ['PYTHONPATH'].split(os.pathsep)[0])\n")
+    proc = subprocess.run([sys.executable, "-c", code], env={**ENV, "PYTHONPATH": "/elsewhere"}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    root = str(Path(__file__).resolve().parent.parent)
+    assert proc.stdout.strip().splitlines()[-1] == root
+    child = subprocess.run([sys.executable, "-c", "import labkit, sys; print(labkit.__file__)"],
+                           env={"PATH": os.environ["PATH"], "PYTHONPATH": root}, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0 and child.stdout.startswith(root), child.stderr
+
+
+def test_on_one_gpu_what_needs_two_is_a_skip_not_a_pass():
+    """Issue 27, item 11: at world size 1, ddp, tp, cp, the hand-written strategies and the context
+    item passed without a single collective: PASS lines that tested nothing."""
+    from labkit.labs.gpu_items_parallel import context, experts
+
+    configs, skipped = strategy_configs(Setting("cpu", 1, 2))  # the rule is the same on CUDA
+    assert set(configs) == {"fsdp"}
+    needs_two = {line.split(":")[0] for line in skipped if "needs >= 2 GPUs" in line}
+    assert {"ddp", "dp_naive", "dp_bucketed", "zero1_scratch", "tp", "tp_scratch", "cp", "pp"} <= needs_two
+    for item in (*context(Setting("cpu", 1, 2)), *experts(Setting("cpu", 1, 2))):
+        assert item.status == "skip" and "needs >= 2 GPUs" in item.detail
+
+
+def test_a_lab_that_needs_deepspeed_says_so_at_once_and_is_a_skip(tmp_path, monkeypatch):
+    """Issue 27, item 3: the zero_fsdp lab launched DeepSpeed's strategies where DeepSpeed is absent and
+    failed in its ranks; it now stops at its first cell naming the package, a skip as a script or in
+    papermill."""
+    import importlib.util
+
+    from labkit.labs import LABS_DIR, require
+    from labkit.labs.script import LabSkipped, run_script
+
+    assert 'require("deepspeed")' in (LABS_DIR / "zero_fsdp.md").read_text()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    with pytest.raises(ModuleNotFoundError, match="needs the package 'deepspeed'"):
+        require("deepspeed")
+    with pytest.raises(LabSkipped, match="'deepspeed'"):
+        run_script(LABS_DIR / "zero_fsdp.md", tmp_path, {"PROFILE": "ci"}, quiet=True)
+
+    class PapermillError(Exception):  # what papermill raises for a failed cell: ename and evalue
+        ename, evalue = "ModuleNotFoundError", "this lab needs the package 'deepspeed', which is not installed"
+
+    def lab():
+        raise PapermillError("cell failed")
+
+    (item,) = _guarded("lab zero_fsdp", lab)
+    assert item.status == "skip" and item.detail == PapermillError.evalue
+
+
+def test_the_packing_lab_leaves_trl_out_where_it_is_not_installed(monkeypatch):
+    """Issue 27, item 6: the packing lab ran its benchmark with TRL, which the GPU image lacks."""
+    import importlib.util
+    import json as json_mod
+    from pathlib import Path as P_
+
+    import matplotlib
+    import numpy as np
+
+    from labkit.labs import LABS_DIR, ROOT
+    from labkit.labs.script import cells
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a))
+    src = next(c for c, _ in cells(LABS_DIR / "packing.md") if "bench_packing.py" in c)
+    ns = {"ROOT": ROOT, "P": {"bench_n": 3000}, "json": json_mod, "Path": P_, "plt": plt, "np": np}
+    exec(compile(src, "packing.md", "exec"), ns)  # the lab's own cell, TRL missing
+    assert not ns["has_trl"] and "--no-trl" in ns["cmd"]
+    assert "labkit bfd" in ns["bench"] and not any(k.startswith("trl") for k in ns["bench"])
+    plt.close("all")
+
+
+def test_each_lab_runs_in_a_process_of_its_own_and_a_failure_says_why(tmp_path):
+    """Issue 27, item 9: labs ran inside the check's process and inherited its state (deterministic
+    mode, the recorded values, earlier labs' GPU tensors)."""
+    from labkit.labs.gpu_check import LabFailed, cause, lab_items, run_lab_apart
+
+    import labkit.labs.record as rec
+
+    before = dict(rec.GLUED)
+    (item,) = lab_items(Setting("cpu", 2, 2), ["strategy_cost"], "ci", tmp_path, as_script=True)
+    assert item.status == "pass", item
+    assert rec.GLUED == before  # what the lab glued stayed in its own process
+    assert json.loads((tmp_path / "strategy_cost.metrics.json").read_text())["profile"] == "ci"
+    with pytest.raises(LabFailed) as e:
+        run_lab_apart("strategy_cost", "ci", tmp_path, {"stepz": 3}, True, None)
+    short, whole = cause(e.value)
+    assert short.startswith("LabFailed: ValueError: OVERRIDES has unknown keys ['stepz']"), short
+    assert "Traceback" in whole
+
+
+def test_cublas_workspaces_are_released_before_the_allocator_is_read(monkeypatch):
+    """Issue 27, item 10: "memory within 5% of the calculator" counted cuBLAS's workspaces (about 64 MiB
+    with two handles), which put GPT-2 small at 4.9% off: one more workspace would fail it."""
+    from labkit.train import instruments
+
+    calls = []
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("clear"), raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: calls.append("read") or 123)
+    assert instruments.allocated(torch.device("cuda", 0)) == 123
+    assert calls == ["sync", "clear", "read"]
+    assert instruments.allocated(torch.device("cpu")) is None

@@ -142,3 +142,14 @@ def test_every_constant_names_its_source():
         assert hw.source and hw.node.source and hw.network.source, key
         assert 0 < hw.matmul_efficiency <= 1 and 0 < hw.attention_efficiency <= 1 and 0 < hw.hbm_efficiency <= 1
         assert math.isfinite(predict(MODELS["llama3-8b"], Plan(dp=8, global_batch=8), hw)["mfu"])
+
+
+def test_operator_overheads_and_value_width_enter_where_an_overhead_bound_cpu_run_needs_them():
+    shape = MODELS["gpt2-124m"]
+    plan = Plan(dp=2, micro_batch=4, global_batch=16, zero=0)
+    slow = dataclasses.replace(H100, op_overhead_s=1e-5, base_latency_s=0.0)
+    quiet, busy = step_time(shape, plan, slow), step_time(shape, plan, slow, ops=(100, 30, 600))
+    assert quiet["overhead"] == 0 and busy["overhead"] == pytest.approx(2 * (100 * 12 + 30) * 1e-5)
+    assert busy["optimizer"] - quiet["optimizer"] == pytest.approx(600 * 1e-5)
+    fp32 = step_time(shape, dataclasses.replace(plan, value_bytes=4), H100)
+    assert fp32["compute"] > step_time(shape, plan, H100)["compute"]  # twice the bytes on the memory roof

@@ -3,7 +3,7 @@
 ``measure(model_cfg, directory)`` builds the GPT, takes one optimizer step (so Adam's moments exist,
 as in any resume) and times :class:`labkit.fault_tolerance.Checkpointer` on that state: the time
 the training loop is blocked and the time until the checkpoint is published, for synchronous and
-asynchronous saves; a restore into a fresh model; and each checksum of ``HASHES`` over the files
+asynchronous saves; a restore into a fresh model; and each checksum this machine computes (``available_hashes``) over the files
 written. The fastest of ``repeats`` is reported: what the disk and memory can do, least disturbed
 by other processes.
 
@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 from labkit.core.checks import positive_int
 from labkit.core.model import GPTConfig, build_model
 from labkit.fault_tolerance.checkpointer import Checkpointer
-from labkit.fault_tolerance.files import HASHES, file_digest
+from labkit.fault_tolerance.files import available_hashes, file_digest
 from labkit.fault_tolerance.resume import restore, training_state
 
 
@@ -62,7 +62,7 @@ def measure(model_cfg: GPTConfig, directory: str | os.PathLike, repeats: int = 3
     files = [p for p in (directory / "bench_sync" / Checkpointer.name(repeats)).rglob("*") if p.is_file()]
     gb = sum(p.stat().st_size for p in files) / 1e9
     hash_gbps = {}
-    for algo in HASHES:
+    for algo in available_hashes():
         t0 = time.perf_counter()
         for p in files:
             file_digest(p, algo)

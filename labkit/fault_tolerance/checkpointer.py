@@ -49,6 +49,7 @@ from labkit.fault_tolerance import directory as ckdir
 from labkit.fault_tolerance import loading
 from labkit.fault_tolerance.directory import LATEST, MANIFEST  # noqa: F401 - part of this module's names
 from labkit.fault_tolerance.files import (
+    DEFAULT_HASH,
     HASHES,
     CheckpointError,
     check_loadable,
@@ -69,8 +70,9 @@ class Checkpointer:
     """Atomic, verified, retained checkpoints of a nested ``state`` dict; see the module docstring."""
 
     def __init__(self, directory: str | os.PathLike, keep_last: int = 2, async_save: bool = False,
-                 hash: str = "xxh3_64", readonly: bool = False) -> None:
+                 hash: str | None = None, readonly: bool = False) -> None:
         positive_int("keep_last", keep_last)
+        hash = hash or DEFAULT_HASH
         one_of("hash", hash, HASHES, "hashes")
         self.dir, self.keep_last, self.async_save, self.hash = Path(directory), keep_last, async_save, hash
         self.readonly, self.lock = readonly, None

@@ -6,7 +6,8 @@ and a skeleton of plain values with a placeholder where each tensor was, saved w
 and read back with ``torch.load(weights_only=True)``. DCP's own ``.metadata`` is a pickle that DCP
 reads with ``pickle.load``; here it is read through an allow-list of DCP's metadata classes, so a
 planted pickle cannot run code. Checksums are XXH3 (xxHash, 64 bit) by default, a non-cryptographic
-hash that reads faster than a disk writes; CRC-32 and SHA-256 are there to compare.
+hash that reads faster than a disk writes; CRC-32 (the default where ``xxhash`` is not installed)
+and SHA-256 are there to compare.
 """
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-import xxhash
+
+try:
+    import xxhash
+except ModuleNotFoundError:  # a bare GPU image (torch and numpy): CRC-32, from the standard library
+    xxhash = None
 
 from labkit.core.checks import one_of
 from labkit.fault_tolerance.errors import CheckpointError  # noqa: F401 - the files' error, re-exported
@@ -35,6 +40,12 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 
 HASHES = ("xxh3_64", "crc32", "sha256")  # the lab measures the throughput of each
+DEFAULT_HASH = "xxh3_64" if xxhash is not None else "crc32"
+
+
+def available_hashes() -> tuple[str, ...]:
+    """The hashes this machine computes (XXH3 needs the ``xxhash`` package)."""
+    return tuple(h for h in HASHES if h != "xxh3_64" or xxhash is not None)
 TENSOR = "__dcp_tensor__"  # placeholder of a tensor in the plain-value skeleton
 PLAIN = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
 
@@ -46,9 +57,14 @@ def describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def file_digest(path: str | os.PathLike, algo: str = "xxh3_64", chunk: int = 8 << 20) -> str:
-    """Checksum of a file, read in chunks: ``xxh3_64`` (default), ``crc32`` or ``sha256``."""
+def file_digest(path: str | os.PathLike, algo: str | None = None, chunk: int = 8 << 20) -> str:
+    """Checksum of a file, read in chunks: ``xxh3_64`` (the default where ``xxhash`` is installed),
+    ``crc32`` (the default elsewhere) or ``sha256``."""
+    algo = algo or DEFAULT_HASH
     one_of("hash", algo, HASHES, "hashes")
+    if algo == "xxh3_64" and xxhash is None:
+        raise ModuleNotFoundError("hash='xxh3_64' needs the package 'xxhash', which is not installed: pip install "
+                                  "xxhash, or use hash='crc32'", name="xxhash")
     h = xxhash.xxh3_64() if algo == "xxh3_64" else hashlib.sha256() if algo == "sha256" else None
     crc = 0
     with open(path, "rb") as f:

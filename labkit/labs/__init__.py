@@ -8,11 +8,11 @@
 * :mod:`labkit.labs.cli`: ``python -m labkit``.
 """
 from labkit.labs.profiles import PROFILES
-from labkit.labs.parameters import can_run, fit_to_gpus, resolve, train_flags
+from labkit.labs.parameters import can_run, fit_to_gpus, require, resolve, train_flags
 from labkit.labs.runner import LABS_DIR, OUT_DIR, ROOT, list_labs, run_lab
 
-__all__ = ["LABS_DIR", "OUT_DIR", "PROFILES", "ROOT", "can_run", "fit_to_gpus", "list_labs", "main", "resolve", "run_lab",
-           "train_flags"]
+__all__ = ["LABS_DIR", "OUT_DIR", "PROFILES", "ROOT", "can_run", "fit_to_gpus", "list_labs", "main", "require",
+           "resolve", "run_lab", "train_flags"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,8 +15,10 @@ on CPU processes over gloo, to check the check itself (its speeds mean nothing).
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
+import traceback
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -26,27 +28,93 @@ from labkit.core.cli import ArgumentParser
 from labkit.labs import gpu_items, gpu_items_parallel
 from labkit.labs.gpu_items import Item, Setting, has, log
 from labkit.labs.profiles import GPU_CHECK
-from labkit.labs.runner import ROOT, list_labs, run_lab
+from labkit.labs.runner import ROOT, list_labs
+from labkit.labs.script import LabSkipped
 
 ITEMS = ("environment", "strategies", "context", "experts", "precision", "speed", "determinism", "labs")
 STATUS = {"pass": "PASS", "fail": "FAIL", "skip": "SKIP"}
 
 
+def cause(e: BaseException) -> tuple[str, str]:
+    """A failure's short cause (one line, for the markdown) and its whole error (for the JSON): for ranks
+    that failed, the first failing rank's last traceback line, not "1 rank(s) failed"."""
+    from labkit.launch import RankError
+
+    whole = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    if isinstance(e, RankError) and e.failures:
+        rank, tb = min(e.failures.items())
+        lines = [ln.strip() for ln in tb.strip().splitlines() if ln.strip()]
+        short = f"rank {rank}: {lines[-1] if lines else 'no traceback'}"
+        whole = f"{whole}\n--- rank {rank}, last lines ---\n" + "\n".join(tb.strip().splitlines()[-15:])
+    elif getattr(e, "ename", None):  # papermill's error from a lab's cell
+        value = str(getattr(e, "evalue", "") or "").strip().splitlines()
+        short = f"{e.ename}: {value[0] if value else ''}"
+    else:
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        short = f"{type(e).__name__}: {lines[0] if lines else ''}"
+    return short[:400], whole[-20000:]
+
+
 def _guarded(name: str, fn: Callable[[], list[Item]]) -> list[Item]:
-    """Run one item; a missing package is a skip naming it, any other error a one-line failure."""
+    """Run one item; a missing package is a skip naming it, any other error a failure with its cause
+    in one line and the whole error kept for the JSON report."""
     t0 = time.perf_counter()
     try:
         items = fn()
     except ModuleNotFoundError as e:
         items = [Item(name, "skip", f"needs the package {e.name!r}, which is not installed")]
+    except LabSkipped as e:
+        items = [Item(name, "skip", str(e))]
     except Exception as e:  # noqa: BLE001 - the report says what failed and goes on to the next item
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        items = [Item(name, "fail", f"{type(e).__name__}: {first}"[:400])]
+        short, whole = cause(e)
+        if getattr(e, "ename", None) == "ModuleNotFoundError":  # papermill's: a lab's cell lacked a package
+            items = [Item(name, "skip", short.split(": ", 1)[-1])]
+        else:
+            items = [Item(name, "fail", short, error=whole)]
     seconds = time.perf_counter() - t0
     for it in items:
         it.seconds = it.seconds or seconds / len(items)
         log(f"{STATUS[it.status]} {it.name}: {it.detail}")
     return items
+
+
+# A lab in a process of its own: nothing it leaves (deterministic mode, recorded values, GPU tensors
+# until the next collection) reaches the next lab. Exit status 3: it needs a package that is missing.
+_CHILD = """
+import json, pathlib, sys
+from labkit.labs.runner import run_lab
+from labkit.labs.script import LabSkipped
+kw = json.loads(sys.argv[1])
+kw["out_dir"] = pathlib.Path(kw["out_dir"])
+try:
+    print(run_lab(**kw))
+except LabSkipped as e:
+    sys.exit(print(e, file=sys.stderr) or 3)
+except ModuleNotFoundError as e:
+    sys.exit(print(f"needs the package {e.name!r}, which is not installed", file=sys.stderr) or 3)
+except Exception as e:
+    if getattr(e, "ename", None) != "ModuleNotFoundError":
+        raise
+    sys.exit(print(getattr(e, "evalue", e), file=sys.stderr) or 3)
+"""
+
+
+class LabFailed(RuntimeError):
+    """A lab's process failed: the message's first line is its error, then the end of what it printed."""
+
+
+def run_lab_apart(name: str, profile: str, out: Path, overrides: dict, as_script: bool, gpus: int | None) -> Path:
+    """:func:`labkit.labs.runner.run_lab` in a new Python process; the path of the metrics it wrote."""
+    kw = dict(name=name, profile=profile, out_dir=str(out), force=True, overrides=overrides, as_script=as_script,
+              gpus=gpus, quiet=True)
+    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(kw)], capture_output=True, text=True)
+    err = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    if proc.returncode == 3:
+        raise LabSkipped(err[-1] if err else f"lab {name!r} needs a package that is not installed")
+    if proc.returncode:
+        tail = "\n".join(err[-40:])
+        raise LabFailed(f"{err[-1] if err else f'exit status {proc.returncode}'}\n{tail}")
+    return Path(proc.stdout.strip().splitlines()[-1])
 
 
 def lab_items(s: Setting, labs: list[str], profile: str, out: Path, as_script: bool = False) -> list[Item]:
@@ -58,8 +126,7 @@ def lab_items(s: Setting, labs: list[str], profile: str, out: Path, as_script: b
         how = "papermill" if notebook else "as a script"
 
         def run(name=name, overrides=overrides) -> list[Item]:
-            path = run_lab(name, profile, out, force=True, overrides=overrides, as_script=not notebook,
-                           gpus=s.world if profile == "gpu" else None, quiet=True)
+            path = run_lab_apart(name, profile, out, overrides, not notebook, s.world if profile == "gpu" else None)
             return [Item(f"lab {name}", "pass", f"{profile} profile{' (trimmed)' if overrides else ''}, {how}: "
                          f"metrics in {path}")]
 
@@ -147,6 +214,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # cuBLAS sizes its workspace once, at its first use in the process: before any item runs
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # Started as `python3 -m labkit.gpu_check` from a checkout that no pip installed, this process finds
+    # labkit in its working directory; the processes it starts (torchrun's workers, a lab's children,
+    # the grader's) look on PYTHONPATH.
+    here = str(Path(__file__).resolve().parents[2])
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if here not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([here, *paths])
     ap = _parser()
     args = ap.parse_args(argv)
     s, only, labs = _setting(ap, args)

@@ -83,6 +83,17 @@ def fit_to_gpus(lab: str, p: dict, n: int) -> dict:
     return p
 
 
+def require(*packages: str) -> None:
+    """Stop a lab at its first cell when a package it needs is not installed: one line naming it (a
+    skip under ``make gpu-check``), not a failure in a rank half-way through the lab."""
+    import importlib.util
+
+    for package in packages:
+        if importlib.util.find_spec(package) is None:
+            raise ModuleNotFoundError(f"this lab needs the package {package!r}, which is not installed",
+                                      name=package)
+
+
 def can_run(p: dict, ranks: int, what: str) -> bool:
     """Whether a part of a lab that needs ``ranks`` ranks runs under parameters ``p``; when it does not
     (a ``gpu`` profile on fewer GPUs), say so in the lab's output."""

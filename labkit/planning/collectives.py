@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from labkit.planning.hardware import NCCL_BASE_LATENCY_S, Hardware
+from labkit.planning.hardware import Hardware
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def _bandwidth(hw: Hardware, g: Group) -> float:
 
 def _ring_latency(hw: Hardware, g: Group, steps: int, inter_steps: int) -> float:
     inter = min(steps, inter_steps) if g.nodes > 1 else 0
-    return NCCL_BASE_LATENCY_S + (steps - inter) * hw.node.step_latency_s + inter * hw.network.step_latency_s
+    return hw.base_latency_s + (steps - inter) * hw.node.step_latency_s + inter * hw.network.step_latency_s
 
 
 def all_reduce(hw: Hardware, g: Group, nbytes: float) -> float:
@@ -63,7 +63,7 @@ def all_reduce(hw: Hardware, g: Group, nbytes: float) -> float:
     ring = _ring_latency(hw, g, 2 * (g.n - 1), 2 * (g.nodes - 1)) + wire
     if g.nodes <= 1:
         return ring
-    tree = (NCCL_BASE_LATENCY_S + 2 * ((g.per_node - 1) * hw.node.step_latency_s
+    tree = (hw.base_latency_s + 2 * ((g.per_node - 1) * hw.node.step_latency_s
                                       + math.log2(g.nodes) * hw.network.step_latency_s) + wire)
     return min(ring, tree)
 
@@ -88,4 +88,4 @@ def send(hw: Hardware, nbytes: float, across_nodes: bool) -> float:
     if nbytes <= 0:
         return 0.0
     link = hw.network if across_nodes else hw.node
-    return NCCL_BASE_LATENCY_S + link.step_latency_s + nbytes / (link.busbw_gb_per_s * 1e9)
+    return hw.base_latency_s + link.step_latency_s + nbytes / (link.busbw_gb_per_s * 1e9)

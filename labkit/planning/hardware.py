@@ -52,6 +52,8 @@ class Hardware:
     network: Link  # between nodes, per GPU (one NIC per GPU, rail-optimised)
     devices_per_node: int
     source: str
+    base_latency_s: float = NCCL_BASE_LATENCY_S  # to start any collective
+    op_overhead_s: float = 0.0  # per operator launched (not modelled on GPUs: kernels are queued ahead)
 
     @property
     def matmul_flops(self) -> float:

@@ -62,6 +62,7 @@ class Plan:
     schedule: str = "1f1b"
     chunks: int = 1  # virtual stages per rank (interleaved)
     flash: bool = True
+    value_bytes: int = 2  # of weights and activations: 2 in bf16 training, 4 in fp32
     fused: bool = True  # element-wise ops fused (Megatron-LM, torch.compile) or eager
     dp_overlap: bool = True
 
@@ -74,9 +75,9 @@ class Plan:
         return max(1, self.global_batch // (self.dp * self.micro_batch))
 
 
-def _gemm(hw: Hardware, tokens: float, k: float, n: float) -> float:
+def _gemm(hw: Hardware, tokens: float, k: float, n: float, value_bytes: int = 2) -> float:
     flops = 2 * tokens * k * n
-    nbytes = 2 * (tokens * k + k * n + tokens * n)
+    nbytes = value_bytes * (tokens * k + k * n + tokens * n)
     return max(flops / hw.matmul_flops, nbytes / hw.bytes_per_s)
 
 
@@ -107,7 +108,7 @@ def layer_compute(shape: ModelShape, plan: Plan, hw: Hardware, causal: bool = Tr
         routed = tokens * shape.experts_per_token / shape.experts if copies > 1 else tokens
         per_rank = copies / plan.ep if copies > 1 else 1
         kk, nn = (k / tp, n) if name in ROW_PARALLEL else (k, n / tp)
-        gemm += per_rank * _gemm(hw, routed * (plan.ep if copies > 1 else 1), kk, nn)
+        gemm += per_rank * _gemm(hw, routed * (plan.ep if copies > 1 else 1), kk, nn, plan.value_bytes)
     heads = shape.heads / tp
     scores = plan.micro_batch * heads * s_local * shape.seq_len  # this rank's queries x every key
     if plan.flash:
@@ -119,7 +120,7 @@ def layer_compute(shape: ModelShape, plan: Plan, hw: Hardware, causal: bool = Tr
         traffic = 13 * scores / hw.bytes_per_s
         attention = (mm + traffic, 2 * (mm + traffic))
         recompute_attn = mm + traffic
-    elem_fwd = tokens * elementwise_bytes(shape, plan.fused) / tp / hw.bytes_per_s
+    elem_fwd = tokens * elementwise_bytes(shape, plan.fused) * plan.value_bytes / 2 / tp / hw.bytes_per_s
     forward = gemm + attention[0] + elem_fwd
     extra = {"full": forward, "selective": recompute_attn, "op": gemm / 2 + elem_fwd}.get(plan.recompute, 0.0)
     return {"forward": forward, "backward": 2 * gemm + attention[1] + 2 * elem_fwd, "recompute": extra,
@@ -130,7 +131,7 @@ def head_compute(shape: ModelShape, plan: Plan, hw: Hardware) -> float:
     """Seconds of the output layer and the fp32 loss, forward and backward, per micro-batch."""
     tokens = plan.micro_batch * shape.seq_len / plan.cp
     logits = tokens * shape.vocab / plan.tp
-    return 3 * _gemm(hw, tokens, shape.hidden, shape.vocab / plan.tp) + 24 * logits / hw.bytes_per_s
+    return 3 * _gemm(hw, tokens, shape.hidden, shape.vocab / plan.tp, plan.value_bytes) + 24 * logits / hw.bytes_per_s
 
 
 def _strides(plan: Plan) -> dict[str, int]:
@@ -138,8 +139,11 @@ def _strides(plan: Plan) -> dict[str, int]:
     return {"tp": 1, "cp": plan.tp, "dp": plan.tp * plan.cp, "pp": plan.tp * plan.cp * plan.dp}
 
 
-def step_time(shape: ModelShape, plan: Plan, hw: Hardware, causal: bool = True) -> dict[str, float]:
-    """The parts of one step, in seconds, and ``total``; per the module docstring."""
+def step_time(shape: ModelShape, plan: Plan, hw: Hardware, causal: bool = True,
+              ops: tuple[float, float, float] = (0, 0, 0)) -> dict[str, float]:
+    """The parts of one step, in seconds, and ``total``; per the module docstring. ``ops``: operators
+    launched per layer per micro-batch, per micro-batch outside the layers, and per step (the
+    optimizer), each costing ``hw.op_overhead_s`` (what an overhead-bound CPU run is made of)."""
     if plan.schedule not in SCHEDULES:
         raise ValueError(f"schedule={plan.schedule!r} is unknown; valid: {list(SCHEDULES)}")
     st, dpn = _strides(plan), hw.devices_per_node
@@ -148,10 +152,11 @@ def step_time(shape: ModelShape, plan: Plan, hw: Hardware, causal: bool = True) 
     tokens = plan.micro_batch * shape.seq_len / plan.cp
     lay = layer_compute(shape, plan, hw, causal)
     compute = layers * (lay["forward"] + lay["backward"] + lay["recompute"]) + head_compute(shape, plan, hw)
-    act_bytes = 2 * tokens * shape.hidden
+    vb = plan.value_bytes
+    act_bytes = vb * tokens * shape.hidden
     tp_calls = 4 + (2 if plan.recompute == "full" else 0)
     tp = layers * tp_calls * C.all_reduce(hw, groups["tp"], act_bytes)
-    kv = 2 * 2 * tokens * shape.n_kv_heads * shape.d_head / plan.tp  # K and V of this rank's chunk, bf16
+    kv = 2 * vb * tokens * shape.n_kv_heads * shape.d_head / plan.tp  # K and V of this rank's chunk
     ring = 3 * (plan.cp - 1) * C.send(hw, kv, groups["cp"].nodes > 1)  # forward once, backward twice
     cp = layers * max(0.0, ring - lay["attention"]) if plan.cp > 1 else 0.0
     ep = 0.0
@@ -163,10 +168,11 @@ def step_time(shape: ModelShape, plan: Plan, hw: Hardware, causal: bool = True) 
     shard = C.group(plan.dp * plan.cp, plan.tp, dpn)  # data-parallel ranks, CP's included
     fsdp = 0.0
     if plan.zero == 3:
-        gather = C.all_gather(hw, shard, 2 * params)
+        gather = C.all_gather(hw, shard, vb * params)
         fwd_compute = layers * lay["forward"]
         fsdp = 2 * max(gather / layers, gather - fwd_compute) + C.reduce_scatter(hw, shard, 4 * params)
-    per_mb = compute + tp + cp + ep + p2p + fsdp
+    overhead = hw.op_overhead_s * (ops[0] * layers + ops[1])
+    per_mb = compute + overhead + tp + cp + ep + p2p + fsdp
     if plan.pp == 1:
         pipeline, bubble = m * per_mb, 0.0
     elif plan.schedule == "interleaved":
@@ -176,13 +182,13 @@ def step_time(shape: ModelShape, plan: Plan, hw: Hardware, causal: bool = True) 
     grads = 0.0
     if plan.zero in (0, 1, 2):
         sync = (C.all_reduce(hw, shard, 4 * params) if plan.zero == 0 else
-                C.reduce_scatter(hw, shard, 4 * params) + C.all_gather(hw, shard, 2 * params))
+                C.reduce_scatter(hw, shard, 4 * params) + C.all_gather(hw, shard, vb * params))
         hide = layers * lay["backward"] if plan.dp_overlap else 0.0
         grads = max(0.0, sync - hide)
     owned = params / (plan.dp * plan.cp) if plan.zero >= 1 else params
-    optimizer = 30 * owned / hw.bytes_per_s
+    optimizer = 30 * owned / hw.bytes_per_s + hw.op_overhead_s * ops[2]
     total = pipeline + grads + optimizer
-    return {"compute": m * compute, "tensor_parallel": m * tp, "context_parallel": m * cp,
+    return {"compute": m * compute, "overhead": m * overhead, "tensor_parallel": m * tp, "context_parallel": m * cp,
             "expert_parallel": m * ep, "pipeline_p2p": m * p2p, "fsdp": m * fsdp, "bubble": bubble,
             "data_parallel": grads, "optimizer": optimizer, "total": total}
 
@@ -196,9 +202,10 @@ def model_flops_per_token(shape: ModelShape, causal: bool = False) -> float:
     return 6 * (shape.active_params - embedding) + attention
 
 
-def predict(shape: ModelShape, plan: Plan, hw: Hardware) -> dict[str, float]:
+def predict(shape: ModelShape, plan: Plan, hw: Hardware, ops: tuple[float, float, float] = (0, 0, 0),
+            causal: bool = True) -> dict[str, float]:
     """Step time and its parts, tokens per second per device, and MFU (PaLM's convention)."""
-    parts = step_time(shape, plan, hw)
+    parts = step_time(shape, plan, hw, causal, ops)
     tokens = plan.global_batch * shape.seq_len
     tps = tokens / parts["total"] / plan.devices
     mfu = tps * model_flops_per_token(shape) / (hw.peak_tflops * 1e12)

@@ -96,8 +96,17 @@ def peak_memory(device: torch.device) -> dict[str, int | None]:
 
 def allocated(device: torch.device) -> int | None:
     """Bytes the CUDA allocator hands out now (None on CPU): after a step, before the gradients are
-    freed, that is the model states plus the batch, to hold against :mod:`labkit.memory`."""
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+    freed, that is the model states plus the batch, to hold against :mod:`labkit.memory`. cuBLAS's
+    workspaces (one per handle, 32 MiB each under ``CUBLAS_WORKSPACE_CONFIG=:4096:8``) come from the
+    same allocator and are no model state: they are released first (cuBLAS takes them again at its
+    next matmul)."""
+    if device.type != "cuda":
+        return None
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # a private hook: asked for, not assumed
+    if clear is not None:
+        torch.cuda.synchronize(device)
+        clear()
+    return torch.cuda.memory_allocated(device)
 
 
 def finish(cfg: TrainConfig, device: torch.device, rank: int) -> None:

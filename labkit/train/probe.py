@@ -44,6 +44,15 @@ def counted_steps(count_comm: str, device: torch.device, steps: int) -> list[boo
     return [mode == "every" or (mode == "last" and s == steps - 1) for s in range(steps)]
 
 
+def counted(per_step: list) -> list:
+    """A per-step collective record without the steps the counter skipped: every step is counted on
+    CPU, only the last on CUDA (``count_comm="auto"``), and the others hold None."""
+    out = [v for v in per_step if v is not None]
+    if not out:
+        raise ValueError("no step of this run was counted: train with count_comm='every' or 'last'")
+    return out
+
+
 class Probe:
     """Per-step records of one rank's run (see the module docstring)."""
 
