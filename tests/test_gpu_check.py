@@ -387,3 +387,71 @@ def test_cublas_workspaces_are_released_before_the_allocator_is_read(monkeypatch
     assert instruments.allocated(torch.device("cuda", 0)) == 123
     assert calls == ["sync", "clear", "read"]
     assert instruments.allocated(torch.device("cpu")) is None
+
+
+def _bare_environment(where: Path) -> Path:
+    """A Python that has what the GPU image has (NOTES.md): torch with what it requires, and numpy;
+    nothing else from requirements.txt, and no labkit installed. Its site-packages links to this
+    environment's copies of those distributions, so it takes seconds, not a torch install."""
+    import importlib.metadata as md
+    import re
+    import venv
+
+    venv.create(where, with_pip=False)
+    site = next(where.glob("lib/python*/site-packages"))
+    wanted, seen = ["torch", "numpy"], set()
+    while wanted:
+        name = wanted.pop()
+        if name.lower() in seen:
+            continue
+        seen.add(name.lower())
+        dist = md.distribution(name)
+        wanted += [re.split(r"[ ;<>=!~\[]", r)[0] for r in dist.requires or [] if "extra ==" not in r]
+        for top in {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}:
+            src = Path(str(dist.locate_file(top)))
+            if src.exists() and not (site / top).exists():
+                (site / top).symlink_to(src)
+    return where / "bin" / "python"
+
+
+def test_the_check_on_a_bare_image_reports_no_failure(tmp_path):
+    """Issue 27: torch and numpy only, labkit from the checkout (not installed), `python3 -m
+    labkit.gpu_check` as the GPU image runs it: every item PASS, or SKIP naming the missing package or
+    what it needs. (CPU processes stand in for the GPUs: its speeds mean nothing.)"""
+    python = _bare_environment(tmp_path / "bare")
+    probe = subprocess.run([str(python), "-c", "import torch, numpy\ntry:\n import matplotlib\nexcept ImportError:\n"
+                            " print('bare')"], capture_output=True, text=True, cwd=tmp_path)
+    assert probe.stdout.strip() == "bare", probe.stderr  # the environment really lacks what the image lacks
+    env = {k: v for k, v in ENV.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([str(python), "-m", "labkit.gpu_check", "--device", "cpu", "--steps", "2", "--as-script",
+                           "--out", str(tmp_path / "out")], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=900)
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    fails = [(i["name"], i["detail"]) for i in report["items"] if i["status"] == "fail"]
+    assert proc.returncode == 0 and not fails, (fails, proc.stderr[-3000:])
+    allowed = ("needs the package", "needs CUDA", "needs >= 2 GPUs", "see the item")
+    for item in report["items"]:
+        if item["status"] == "skip":
+            assert any(a in item["detail"] for a in allowed), item
+    names = {i["name"] for i in report["items"]}
+    assert {"environment", "strategy ddp", "strategy fsdp", "strategy pp", "speed", "determinism"} <= names
+    assert sum(i["name"].startswith("lab ") for i in report["items"]) == len(list_labs())
+
+
+def test_pipelines_build_their_stages_where_torch_has_no_output_grads_argument():
+    """Issue 27, item 1: torch 2.11's PipelineStage takes no output_grads / input_grads; the stages are
+    built by asking its signature, not the version string."""
+    from tp_pp_fns import pp_on_torch_2_11_stages
+
+    from labkit.core.model import GPTConfig
+    from labkit.launch import launch
+    from labkit.train import TrainConfig, train
+
+    model = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
+    cfg = TrainConfig(steps=2, batch_size=8, seed=0, count_comm="none")
+    ref = train(cfg, model)
+    run = launch(pp_on_torch_2_11_stages, TrainConfig(steps=2, batch_size=8, seed=0, count_comm="none",
+                                                      strategy="pp", pp=2, microbatches=2), model, world_size=2,
+                 quiet=True)[0]
+    assert max(abs(a - b) for a, b in zip(run["loss"], ref["loss"])) < 1e-5

@@ -60,3 +60,24 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(n)
+
+
+def pp_on_torch_2_11_stages(cfg, model_cfg) -> dict:
+    """Train with ``PipelineStage`` as torch 2.11 has it: no ``output_grads`` / ``input_grads`` arguments."""
+    import torch.distributed.pipelining as pipelining
+
+    from labkit.train import train
+
+    real = pipelining.PipelineStage
+
+    class PipelineStage211(real):
+        def __init__(self, submodule, stage_index, num_stages, device, input_args=None, output_args=None,
+                     group=None, dw_builder=None):
+            super().__init__(submodule, stage_index, num_stages, device, input_args=input_args,
+                             output_args=output_args, group=group, dw_builder=dw_builder)
+
+    pipelining.PipelineStage = PipelineStage211
+    try:
+        return train(cfg, model_cfg)
+    finally:
+        pipelining.PipelineStage = real

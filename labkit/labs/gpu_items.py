@@ -194,9 +194,9 @@ def precision(s: Setting) -> list[Item]:
     items, cases = [], {}
     for name, (strat, extra, _) in PRECISIONS.items():
         if extra.get("tf32") and s.device != "cuda":
-            items.append(Item(f"precision {name}", "skip", "TF32 is a CUDA feature"))
+            items.append(Item(f"precision {name}", "skip", "needs CUDA (TF32 is a CUDA feature)"))
         elif strat == "zero2" and extra["precision"] == "fp16" and s.device != "cuda":
-            items.append(Item(f"precision {name}", "skip", "DeepSpeed's fp16 optimizer needs CUDA"))
+            items.append(Item(f"precision {name}", "skip", "needs CUDA (DeepSpeed's fp16 optimizer)"))
         elif strat == "zero2" and not has("deepspeed"):
             items.append(Item(f"precision {name}", "skip", "needs the package 'deepspeed'"))
         else:
