@@ -19,6 +19,10 @@ c.Exchange.timezone = "UTC"
 # The slowest cell, data_parallel's (2 ranks over gloo), takes seconds.
 c.ExecutePreprocessor.timeout = int(os.environ.get("NBGRADER_CELL_TIMEOUT", "300"))
 c.Execute.interrupt_on_timeout = True
+# A kernel that has not answered within the startup timeout fails the whole submission, not a test.
+# jupyter_client's 60 s default was seen to run out on a loaded machine (CI: two graders beside a
+# 16-process training run on 2 cores); a kernel that starts late is still a correct submission.
+c.ExecutePreprocessor.startup_timeout = int(os.environ.get("NBGRADER_STARTUP_TIMEOUT", "300"))
 
 # Students see a stub where a solution was; `raise NotImplementedError()` makes an unanswered
 # exercise fail its tests rather than pass by accident.

@@ -140,7 +140,11 @@ def nbgrader(course_dir: Path, *args: str, timeout: float = 1800.0) -> str:
                           capture_output=True, text=True, timeout=timeout)
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:
-        raise RuntimeError(f"nbgrader {' '.join(args)} failed (exit {proc.returncode}):\n{log[-4000:]}")
+        # nbgrader names the failed submission at the end and prints its traceback where it happened
+        lines = log.splitlines()
+        first = next((i for i, ln in enumerate(lines) if "Traceback" in ln or "| ERROR]" in ln), len(lines))
+        cause = "\n".join(lines[first:first + 60])
+        raise RuntimeError(f"nbgrader {' '.join(args)} failed (exit {proc.returncode}):\n{cause}\n...\n{log[-1500:]}")
     return log
 
 
