@@ -197,3 +197,17 @@ def count_with_bar(n: int) -> bool:
         bar.set_postfix(loss="0.5000", refresh=False)
     bar.close()
     return isinstance(bar, progress._Forwarded)
+
+
+def bench_without_2_13_collective_names() -> list:
+    """The comm bench where torch has only 2.11's names (all_gather_into_tensor, reduce_scatter_tensor)."""
+    import torch
+    import torch.distributed as dist
+
+    from labkit.comm.bench import bench
+
+    for name in ("all_gather_single", "reduce_scatter_single"):
+        if hasattr(dist, name):
+            delattr(dist, name)
+    return [r.op for r in bench(["all_gather", "reduce_scatter"], [4096], torch.device("cpu"), warmup=1,
+                                target_ms=1.0)]

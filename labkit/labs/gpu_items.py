@@ -182,6 +182,9 @@ PRECISIONS = {
     # DeepSpeed's fp16: fp16 weights, fp32 master copies, its own dynamic loss scaler (CUDA only)
     "fp16 + loss scaling (DeepSpeed zero2)": ("zero2", dict(precision="fp16"), LOSS_TOL["vs fp32"]),
     "tf32 matmuls (ddp)": ("ddp", dict(tf32=True), LOSS_TOL["16-bit"]),
+    # Recomputation changes no number: its twin is the same precision without it (one GPU exercises it too)
+    "full recomputation, bf16 autocast (fsdp)": ("fsdp", dict(precision="bf16", activation_checkpointing="full"),
+                                                 LOSS_TOL["16-bit"]),
 }
 
 
