@@ -158,6 +158,11 @@ def test_a_lab_opens_as_a_notebook_and_runs_to_the_end(page, jupyterlab):
     # the figures rendered (images the browser decoded), and the training showed its progress as
     # tqdm's notebook widget (a rank's bar is drawn by the kernel that launched it)
     images = panel.locator(".jp-RenderedImage img")
+    # JupyterLab attaches a long notebook's cells as they come into view (its windowing): bring the
+    # last cell into view and give the outputs time to attach on a loaded machine (seen: none yet)
+    panel.locator(".jp-CodeCell").nth(n_code - 1).scroll_into_view_if_needed()
+    page.wait_for_function("n => document.querySelectorAll('.jp-RenderedImage img').length >= n", arg=3,
+                           timeout=120_000)
     sizes = []
     for i in range(images.count()):
         images.nth(i).scroll_into_view_if_needed()
