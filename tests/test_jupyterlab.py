@@ -44,7 +44,8 @@ def jupyterlab(tmp_path_factory):
     shutil.copytree(LABS_DIR, root, ignore=shutil.ignore_patterns("*.ipynb", ".ipynb_checkpoints"))
     token = os.urandom(16).hex()
     # The student's own settings, workspaces and config start empty, as on a first visit.
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(home / ".jupyter"),
+    # A student's server: no matplotlib backend forced by whatever ran before in this test process
+    env = {**{k: v for k, v in os.environ.items() if k != "MPLBACKEND"}, "JUPYTER_CONFIG_DIR": str(home / ".jupyter"),
            "JUPYTERLAB_SETTINGS_DIR": str(home / ".settings"), "JUPYTERLAB_WORKSPACES_DIR": str(home / ".ws")}
     env.pop("LABKIT_PROGRESS", None)
     log = open(home / "jupyterlab.log", "w")

@@ -72,7 +72,18 @@ def run_script(lab_path: Path, out_dir: Path, parameters: dict, quiet: bool = Fa
     """Execute the lab at ``lab_path`` in ``out_dir`` with ``parameters``; its namespace afterwards.
 
     What the lab prints also goes to ``out_dir/<lab>.log``; ``quiet`` keeps it off the terminal."""
-    os.environ.setdefault("MPLBACKEND", "Agg")  # figures are drawn, never shown
+    # Figures are drawn, never shown: for this run only (a Jupyter server this process starts later
+    # would hand Agg to its kernels, whose inline figures would then never appear; seen in CI)
+    backend = os.environ.get("MPLBACKEND")
+    os.environ["MPLBACKEND"] = backend or "Agg"
+    try:
+        return _run(lab_path, out_dir, parameters, quiet)
+    finally:
+        if backend is None:
+            os.environ.pop("MPLBACKEND", None)
+
+
+def _run(lab_path: Path, out_dir: Path, parameters: dict, quiet: bool) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     ns: dict = {"__name__": f"labkit_lab_{lab_path.stem}"}
     injected = "\n".join(f"{k} = {v!r}" for k, v in parameters.items())
