@@ -96,10 +96,9 @@ def plans(shape: ModelShape, n_devices: int, global_batch: int, devices_per_node
     cps = [c for c in (1, 2, 4, 8, 16) if shape.seq_len % (2 * c) == 0 and (c == 1 or shape.seq_len >= 16384)]
     for tp in tps:
         for cp in cps:
-            for pp in (p for p in _divisors(n_devices // tp // cp if n_devices % (tp * cp) == 0 else 1)
-                       if p <= shape.n_layer):
-                if n_devices % (tp * cp * pp):
-                    continue
+            if n_devices % (tp * cp):
+                continue
+            for pp in (p for p in _divisors(n_devices // (tp * cp)) if p <= shape.n_layer):
                 dp = n_devices // (tp * cp * pp)
                 if global_batch % dp:
                     continue
