@@ -93,6 +93,15 @@ def test_strategy_cost_lab_metrics(lab_metrics):
     # the step-time model against published runs, as tests/test_step_model.py bounds it
     assert len(m["published"]["rows"]) >= 15 and m["published"]["median_abs_error"] <= 0.10
     assert m["plan_405b"]["n"] > 0 and m["plan_405b"]["llama_rank"] >= 1
+    mem = m["published"]["memory"]  # allocated tensors under the allocator's reserved peak, within 15%
+    assert len(mem) == 2 and all(-0.15 < r["error"] < 0 for r in mem)
+    cpu = {r["layout"]: r for r in m["cpu_prediction"]["rows"]}
+    assert len(cpu) == 5 and all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 for r in cpu.values())
+    # operators counted in the runs: exact structure, whatever the timings
+    assert cpu["DDP 2"]["operators"]["micro_batch_dtensor"] == cpu["DDP 2"]["operators"]["step_dtensor"] == 0
+    assert cpu["FSDP 2"]["operators"]["step_dtensor"] > 0 == cpu["FSDP 2"]["operators"]["micro_batch_dtensor"]
+    assert cpu["TP 2"]["operators"]["micro_batch_dtensor"] > 0
+    assert m["recorded"]["sc_cpu_median_pct"] >= 0 and m["recorded"]["sc_mem_saved_gib"] > 0
 
 
 def test_activation_checkpointing_lab_metrics(lab_metrics):

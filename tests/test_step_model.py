@@ -14,7 +14,7 @@ from labkit.planning import plan_cli
 from labkit.planning.hardware import HARDWARE, hardware
 from labkit.planning.published import compare, megatron_flops, median_abs_error, runs
 from labkit.planning.search import degrees, search
-from labkit.planning.step_model import Plan, model_flops_per_token, predict, step_time
+from labkit.planning.step_model import Operators, Plan, model_flops_per_token, predict, step_time
 
 H100 = hardware("h100-80gb")
 # Stated in the chapter and the closing note: the median error over every published run, and the worst.
@@ -147,9 +147,10 @@ def test_every_constant_names_its_source():
 def test_operator_overheads_and_value_width_enter_where_an_overhead_bound_cpu_run_needs_them():
     shape = MODELS["gpt2-124m"]
     plan = Plan(dp=2, micro_batch=4, global_batch=16, zero=0)
-    slow = dataclasses.replace(H100, op_overhead_s=1e-5, base_latency_s=0.0)
-    quiet, busy = step_time(shape, plan, slow), step_time(shape, plan, slow, ops=(100, 30, 600))
-    assert quiet["overhead"] == 0 and busy["overhead"] == pytest.approx(2 * (100 * 12 + 30) * 1e-5)
-    assert busy["optimizer"] - quiet["optimizer"] == pytest.approx(600 * 1e-5)
+    slow = dataclasses.replace(H100, op_overhead_s=1e-5, dtensor_op_overhead_s=1e-4, base_latency_s=0.0)
+    ops = Operators(micro_batch=1230, micro_batch_dtensor=10, step=600, step_dtensor=5)
+    quiet, busy = step_time(shape, plan, slow), step_time(shape, plan, slow, ops=ops)
+    assert quiet["overhead"] == 0 and busy["overhead"] == pytest.approx(2 * (1230 * 1e-5 + 10 * 1e-4))
+    assert busy["optimizer"] - quiet["optimizer"] == pytest.approx(600 * 1e-5 + 5 * 1e-4)
     fp32 = step_time(shape, dataclasses.replace(plan, value_bytes=4), H100)
     assert fp32["compute"] > step_time(shape, plan, H100)["compute"]  # twice the bytes on the memory roof

@@ -71,6 +71,9 @@ class CommCounter(TorchDispatchMode):
 
     ``with CommCounter() as c: step()`` then ``c.bytes["allreduce"]``, ``c.calls["allreduce"]``.
     Op names drop the namespace and the trailing underscore (``c10d.allreduce_`` -> ``allreduce``).
+    ``c.ops`` counts every other operator dispatched, ``"plain"`` and ``"dtensor"`` apart (an operator
+    on a DTensor is counted once, not its local work): what an overhead-bound step is made of
+    (:mod:`labkit.planning.cpu_model`).
     """
 
     NAMESPACES = ("c10d", "_c10d_functional")
@@ -92,6 +95,7 @@ class CommCounter(TorchDispatchMode):
         self.calls: dict[str, int] = defaultdict(int)
         # payload bytes per process group (its name) and op: which mesh dimension carried what
         self.by_group: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.ops: dict[str, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -105,6 +109,8 @@ class CommCounter(TorchDispatchMode):
                 nbytes = _tensor_bytes(out) if gathered else _payload_bytes(name, args)
                 self.bytes[name] += nbytes
                 self.by_group[_group_name(func, args)][name] += nbytes
+        else:
+            self.ops["dtensor" if any(t.__name__ == "DTensor" for t in types) else "plain"] += 1
         return out
 
     @property

@@ -101,7 +101,9 @@ PROFILES: dict[str, dict[str, dict]] = {
         "cpu": dict(tokens=1e12, target_days=30, mfu=0.4, run_cost=18000.0, run_hours=24.0, hours_in=14.0,
                     interrupted_share=[0.05, 0.15], share_periods=["month", "day"], instances=100,
                     article_lost=17250.0, checkpoint_minutes=[10, 30, 60], write_minutes=2.0,
-                    restart_minutes=10.0),
+                    restart_minutes=10.0,
+                    # the CPU prediction: labkit.planning.cpu_model.LAYOUTS trained on this machine's CPU
+                    cpu_n_layer=4, cpu_n_head=4, cpu_n_embd=64, cpu_block_size=64, cpu_batch=16, cpu_steps=6),
     },
     "input_pipeline": {
         # threads=1: with DataLoader workers on 2 cores, a 2-thread step fights them for the cores.

@@ -26,6 +26,10 @@ from labkit.memory.hf_config import shape_from_hf_config
 
 GB = 10**9  # the ZeRO paper's GB; GiB is 2**30
 RECOMPUTE = ("none", "selective", "full")
+# and torchtitan's selective "op" policy, which the calculator and the step model know but labkit.train
+# does not run: its AC saves the outputs of the 1st, 3rd, ... matmul of a block, attention's output
+# and log-sum-exp, and recomputes the rest (torchtitan, models/llama3/infra/parallelize.py, _save_list)
+POLICIES = RECOMPUTE + ("op",)
 STAGES = (0, 1, 2, 3)
 # Bytes per parameter of Adam training, (weights, gradients, optimizer states), by precision recipe.
 BYTES_PER_PARAM = {
@@ -100,7 +104,8 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     MLP inputs), 12sbh are split (Q, K, V, the projection input, two 4h MLP activations); each
     dropout keeps a 1-byte mask (two of sbh, one of as^2b); the scores keep the softmax output
     (and the dropout output). Flash attention keeps an fp32 log-sum-exp of asb instead of scores.
-    ``recompute="selective"`` drops the score term, ``"full"`` keeps only the layer input.
+    ``recompute="selective"`` drops the score term, ``"full"`` keeps only the layer input, ``"op"``
+    (torchtitan's policy, :data:`POLICIES`) the input, the 1st, 3rd... matmul outputs and attention's.
 
     A LLaMA-style block (``swiglu``, grouped-query ``kv_dim``, its ``ffn`` width) keeps, split by
     TP, Q (h), K and V (``kv_dim`` each), the projection input (h) and four ffn-wide tensors of its
@@ -110,16 +115,23 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     """
     s, b = _count("seq_len", seq_len), _count("micro_batch", micro_batch)
     h, a, t = _count("hidden", hidden), _count("heads", heads), _count("tp", tp)
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute={recompute!r} is unknown; valid modes: {list(RECOMPUTE)}")
+    if recompute not in POLICIES:
+        raise ValueError(f"recompute={recompute!r} is unknown; valid modes: {list(POLICIES)}")
     if dtype_bytes not in (1, 2, 4):
         raise ValueError(f"dtype_bytes must be 1, 2 or 4, got {dtype_bytes!r}")
     sp = t if sequence_parallel else 1
     sbh, d, m = s * b * h, dtype_bytes, 1 if dropout else 0
     if recompute == "full":
         return math.ceil(Fraction(d * sbh, sp))
-    unsplit = Fraction((4 * d + 2 * m) * sbh, sp)
     kv, f = kv_dim or h, ffn or 4 * h
+    if recompute == "op":  # the block's input, every second matmul's output, attention's output and LSE
+        # (width, split by TP) of each matmul's output in forward order
+        mms = ([(h, 1), (kv, 1), (kv, 1), (h, 0), (f, 1), (f, 1), (h, 0)] if swiglu else
+               [(h + 2 * kv, 1), (h, 0), (f, 1), (h, 0)])
+        kept = [mms[i] for i in range(0, len(mms), 2)] + [(h, 1)]
+        values = sum(Fraction(w * s * b, t if split else sp) for w, split in kept) + Fraction(sbh, sp)
+        return math.ceil(d * values + Fraction(4 * a * s * b, t))
+    unsplit = Fraction((4 * d + 2 * m) * sbh, sp)
     split = Fraction(d * s * b * (2 * h + 2 * kv + (4 if swiglu else 2) * f), t)
     if recompute == "selective":
         scores = 0
@@ -253,7 +265,7 @@ def estimate_memory(model, micro_batch: int = 1, world_size: int = 1, stage: int
     if shape.experts_per_token > 1 and recompute != "full":
         per_layer = math.ceil(per_layer * (1 + Fraction(19 * (shape.experts_per_token - 1), 34)))
     layers = per_layer * shape.n_layer
-    if recompute == "full":  # backward re-materialises one layer at a time on top of the inputs kept
+    if recompute in ("full", "op"):  # backward re-materialises one layer at a time on top of what is kept
         layers += activation_bytes_per_layer(s, micro_batch, shape.hidden, shape.heads, tp, sequence_parallel,
                                              "none", act_dtype, dropout=dropout,
                                              flash_attention=flash_attention, **block)

@@ -54,6 +54,7 @@ class Hardware:
     source: str
     base_latency_s: float = NCCL_BASE_LATENCY_S  # to start any collective
     op_overhead_s: float = 0.0  # per operator launched (not modelled on GPUs: kernels are queued ahead)
+    dtensor_op_overhead_s: float = 0.0  # per operator on a DTensor (its sharding propagation, on the host)
 
     @property
     def matmul_flops(self) -> float:

@@ -16,7 +16,7 @@ from labkit.core.checks import positive_int, positive_number
 from labkit.core.cli import ArgumentParser
 from labkit.planning.cli import _shape, _shape_flags
 from labkit.planning.hardware import HARDWARE, hardware
-from labkit.planning.published import compare, median_abs_error
+from labkit.planning.published import compare, compare_memory, median_abs_error
 from labkit.planning.search import search, why
 
 # Binary, as batch sizes in tokens are quoted: Llama 3's "16M" is 2,048 sequences of 8,192 = 2^24.
@@ -53,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _published(as_json: bool) -> int:
-    rows = compare()
+    rows, memory = compare(), compare_memory()
     if as_json:
-        print(json.dumps({"runs": rows, "median_abs_error": median_abs_error(rows)}, indent=1))
+        print(json.dumps({"runs": rows, "median_abs_error": median_abs_error(rows), "memory": memory}, indent=1))
         return 0
     print(f"{'run':36} {'unit':>14} {'published':>10} {'predicted':>10} {'error':>7} {'MFU':>6}")
     for r in rows:
@@ -64,6 +64,10 @@ def _published(as_json: bool) -> int:
               f"{r['error'] * 100:>+6.1f}% {r['mfu'] * 100:>5.1f}%")
     print(f"median |error| {median_abs_error(rows) * 100:.1f}% over {len(rows)} runs "
           "(sources and assumptions: labkit.planning.published)")
+    print(f"\n{'peak memory per GPU':36} {'published':>14} {'predicted':>10} {'error':>7}")
+    for r in memory:
+        print(f"{r['run']:36} {r['measured_gib']:>10.1f} GiB {r['predicted_gib']:>6.1f} GiB {r['error'] * 100:>+6.1f}%")
+    print("(published: the allocator's peak reservation; predicted: live tensors at the peak)")
     return 0
 
 

@@ -18,6 +18,10 @@ fed in. What each source measured, in its own units and FLOP convention:
   not know), local batch 2, sequence 8192, its selective "op" recomputation, eager (the rows without
   ``torch.compile``), tokens per second per GPU, bf16 rows only (the Float8 rows use another peak). And an earlier page of the same doc: Llama 3 8B and 70B
   and Llama 2 13B on 64 A100s with FSDP2 (the network is not stated: InfiniBand HDR is assumed).
+
+Peak memory is published by torchtitan alone (Tables 1 and 3, the FSDP rows): its logger's
+``max_reserved`` (``torch.cuda.max_memory_reserved``), what the caching allocator held at its fullest,
+which is more than the tensors alive at any moment (:func:`peak_memory` predicts those).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import statistics
 from dataclasses import dataclass, replace
 
 from labkit.memory.architecture import MODELS, ModelShape
+from labkit.memory.calculator import estimate_memory
 from labkit.planning.hardware import HARDWARE, Hardware
 from labkit.planning.step_model import Plan, model_flops_per_token, predict
 
@@ -121,3 +126,50 @@ def compare() -> list[dict]:
 
 def median_abs_error(rows: list[dict]) -> float:
     return statistics.median(abs(r["error"]) for r in rows)
+
+
+@dataclass(frozen=True)
+class MemoryRun:
+    name: str
+    source: str
+    shape: ModelShape
+    devices: int  # FSDP ranks (ZeRO-3 over all of them)
+    micro_batch: int
+    recompute: str
+    measured_gib: float  # torchtitan's max_reserved, GiB
+
+
+def memory_runs() -> list[MemoryRun]:
+    l8 = MODELS["llama3-8b"]
+    return [MemoryRun(f"Llama 3.1 8B, FSDP {n}", TITAN_H100, l8, n, 2, "op", gib) for n, gib in ((8, 82.4), (128, 67.0))]
+
+
+def peak_memory(shape: ModelShape, devices: int, micro_batch: int, recompute: str) -> dict[str, float]:
+    """Bytes alive at a FSDP2 run's peak, by part, on one of ``devices`` ranks: the calculator's model
+    states (ZeRO-3), kept activations and head (:func:`labkit.memory.estimate_memory`), and what the
+    calculator does not keep because it is transient, at the start of the backward:
+
+    * the loss's gradients: an fp32 loss over the vocabulary (torchtitan upcasts the logits) keeps
+      its log-softmax (in the calculator's head); backward then holds the loss's gradient with
+      respect to it and to its input beside it, ``2 x 4`` bytes per logit;
+    * FSDP2's gathered parameters (Zhao et al. 2023): two blocks in bf16 (one prefetched), and the
+      output layer's weight with its bf16 gradient before the reduce-scatter."""
+    est = estimate_memory(shape, micro_batch, devices, 3, "mixed", recompute, device_memory_gb=1e6)
+    logits = micro_batch * shape.seq_len * shape.vocab
+    output_layer = shape.vocab * shape.hidden
+    block = (shape.n_params - 2 * output_layer) / shape.n_layer
+    parts = {"model states": est.params + est.grads + est.optimizer, "activations": est.activations,
+             "head (kept)": est.head, "loss gradients": 8 * logits, "FSDP gathered": 2 * 2 * block + 2 * 2 * output_layer}
+    return {**parts, "total": sum(parts.values())}
+
+
+def compare_memory() -> list[dict]:
+    """One row per run that published its peak memory: predicted (GiB), measured, relative error."""
+    rows = []
+    for r in memory_runs():
+        parts = peak_memory(r.shape, r.devices, r.micro_batch, r.recompute)
+        gib = parts["total"] / 2 ** 30
+        rows.append(dict(run=r.name, source=r.source, devices=r.devices, recompute=r.recompute,
+                         measured_gib=r.measured_gib, predicted_gib=gib, error=gib / r.measured_gib - 1,
+                         parts_gib={k: v / 2 ** 30 for k, v in parts.items()}))
+    return rows

@@ -27,7 +27,8 @@ ring of K and V (Liu et al. 2023), hidden behind the attention it feeds as far a
 activations and their gradients, point to point, per micro-batch; the data-parallel gradients once
 per step (fp32, as Megatron-LM and torchtitan reduce them), hidden behind the last micro-batch's
 backward when overlapped; ZeRO-3/FSDP's gathers of bf16 parameters per micro-batch forward and backward,
-prefetched behind compute, and their reduce-scatter (Rajbhandari et al. 2020; Zhao et al. 2023).
+prefetched behind compute, one per layer (each its own latency), and their reduce-scatters
+(Rajbhandari et al. 2020; Zhao et al. 2023).
 
 Then the pipeline: ``(m + p - 1)`` micro-batch times for GPipe and 1F1B, ``m + (p - 1)/v`` for the
 interleaved schedule with ``v`` chunks per rank (Narayanan et al. 2021, section 2.2), and the
@@ -64,7 +65,7 @@ class Plan:
     flash: bool = True
     value_bytes: int = 2  # of weights and activations: 2 in bf16 training, 4 in fp32
     fused: bool = True  # element-wise ops fused (Megatron-LM, torch.compile) or eager
-    dp_overlap: bool = True
+    dp_overlap: bool = True  # DDP's buckets and FSDP's prefetch hidden behind compute
 
     @property
     def devices(self) -> int:
@@ -73,6 +74,27 @@ class Plan:
     @property
     def microbatches(self) -> int:
         return max(1, self.global_batch // (self.dp * self.micro_batch))
+
+
+@dataclass(frozen=True)
+class Operators:
+    """Operators one rank launches, counted (:class:`labkit.comm.counter.CommCounter` counts them in
+    a run): per micro-batch's forward and backward, and per optimizer step; those on DTensors apart,
+    as each pays DTensor's sharding propagation on the host. What an overhead-bound step (a small
+    model, a CPU) is made of; on a GPU, kernels queue ahead of the host and these cost nothing."""
+
+    micro_batch: float = 0.0
+    micro_batch_dtensor: float = 0.0
+    step: float = 0.0
+    step_dtensor: float = 0.0
+
+    def seconds(self, hw: Hardware, which: str) -> float:
+        plain, dtensor = (self.micro_batch, self.micro_batch_dtensor) if which == "micro_batch" else (
+            self.step, self.step_dtensor)
+        return plain * hw.op_overhead_s + dtensor * hw.dtensor_op_overhead_s
+
+
+NO_OPERATORS = Operators()
 
 
 def _gemm(hw: Hardware, tokens: float, k: float, n: float, value_bytes: int = 2) -> float:
@@ -140,10 +162,10 @@ def _strides(plan: Plan) -> dict[str, int]:
 
 
 def step_time(shape: ModelShape, plan: Plan, hw: Hardware, causal: bool = True,
-              ops: tuple[float, float, float] = (0, 0, 0)) -> dict[str, float]:
-    """The parts of one step, in seconds, and ``total``; per the module docstring. ``ops``: operators
-    launched per layer per micro-batch, per micro-batch outside the layers, and per step (the
-    optimizer), each costing ``hw.op_overhead_s`` (what an overhead-bound CPU run is made of)."""
+              ops: Operators = NO_OPERATORS) -> dict[str, float]:
+    """The parts of one step, in seconds, and ``total``; per the module docstring. ``ops``: the
+    operators a rank launches (:class:`Operators`), each costing ``hw.op_overhead_s`` (on a DTensor
+    ``hw.dtensor_op_overhead_s``)."""
     if plan.schedule not in SCHEDULES:
         raise ValueError(f"schedule={plan.schedule!r} is unknown; valid: {list(SCHEDULES)}")
     st, dpn = _strides(plan), hw.devices_per_node
@@ -167,11 +189,11 @@ def step_time(shape: ModelShape, plan: Plan, hw: Hardware, causal: bool = True,
     params = shape.n_params / (plan.tp * plan.pp)
     shard = C.group(plan.dp * plan.cp, plan.tp, dpn)  # data-parallel ranks, CP's included
     fsdp = 0.0
-    if plan.zero == 3:
-        gather = C.all_gather(hw, shard, vb * params)
-        fwd_compute = layers * lay["forward"]
-        fsdp = 2 * max(gather / layers, gather - fwd_compute) + C.reduce_scatter(hw, shard, 4 * params)
-    overhead = hw.op_overhead_s * (ops[0] * layers + ops[1])
+    if plan.zero == 3:  # one gather per layer (each its own latency), the next prefetched behind this one
+        one = C.all_gather(hw, shard, vb * params / layers)
+        hidden = layers * lay["forward"] if plan.dp_overlap else 0.0
+        fsdp = 2 * max(one, layers * one - hidden) + layers * C.reduce_scatter(hw, shard, 4 * params / layers)
+    overhead = ops.seconds(hw, "micro_batch")
     per_mb = compute + overhead + tp + cp + ep + p2p + fsdp
     if plan.pp == 1:
         pipeline, bubble = m * per_mb, 0.0
@@ -186,7 +208,7 @@ def step_time(shape: ModelShape, plan: Plan, hw: Hardware, causal: bool = True,
         hide = layers * lay["backward"] if plan.dp_overlap else 0.0
         grads = max(0.0, sync - hide)
     owned = params / (plan.dp * plan.cp) if plan.zero >= 1 else params
-    optimizer = 30 * owned / hw.bytes_per_s + hw.op_overhead_s * ops[2]
+    optimizer = 30 * owned / hw.bytes_per_s + ops.seconds(hw, "step")
     total = pipeline + grads + optimizer
     return {"compute": m * compute, "overhead": m * overhead, "tensor_parallel": m * tp, "context_parallel": m * cp,
             "expert_parallel": m * ep, "pipeline_p2p": m * p2p, "fsdp": m * fsdp, "bubble": bubble,
@@ -202,7 +224,7 @@ def model_flops_per_token(shape: ModelShape, causal: bool = False) -> float:
     return 6 * (shape.active_params - embedding) + attention
 
 
-def predict(shape: ModelShape, plan: Plan, hw: Hardware, ops: tuple[float, float, float] = (0, 0, 0),
+def predict(shape: ModelShape, plan: Plan, hw: Hardware, ops: Operators = NO_OPERATORS,
             causal: bool = True) -> dict[str, float]:
     """Step time and its parts, tokens per second per device, and MFU (PaLM's convention)."""
     parts = step_time(shape, plan, hw, causal, ops)

@@ -64,10 +64,11 @@ class Probe:
         self.dims_of = plan.dims.dim_of_groups()
         self.counter: CommCounter | None = None
         self.fwd_bwd: dict[str, int] | None = None
+        self.fwd_bwd_ops: dict[str, int] | None = None
         self.states: ModelStates | None = None
         self.rec: dict[str, list] = {k: [] for k in (
             "times", "timed", "comm", "calls", "by_dim", "fwd_bwd", "held", "allocated", "local", "kv", "a2a",
-            "routing", "peaks")}
+            "routing", "peaks", "ops")}
 
     def counted(self, step: int) -> bool:
         """Whether ``step`` runs under the collective counter (:func:`counted_steps`)."""
@@ -83,7 +84,7 @@ class Probe:
                 dist.barrier(group=self.plan.dims.group("pp"))  # the common start of the step's timeline
             pipeline.timeline.start()
         placed.kv_stats.clear()
-        self.fwd_bwd = None
+        self.fwd_bwd = self.fwd_bwd_ops = None
         synchronize(self.device)
         t0 = time.perf_counter()
         with ExitStack() as stack:
@@ -101,6 +102,7 @@ class Probe:
         """Forward and backward are done: what they sent so far is theirs."""
         if self.counter is not None:
             self.fwd_bwd = dict(self.counter.bytes)
+            self.fwd_bwd_ops = dict(self.counter.ops)
 
     def after_backward(self, engine: Any) -> None:
         """DeepSpeed's engine, between backward and its step (its step frees the gradients)."""
@@ -117,6 +119,7 @@ class Probe:
         rec["calls"].append(dict(c.calls) if c else None)
         rec["by_dim"].append({self.dims_of.get(g, "other"): dict(ops) for g, ops in c.by_group.items()} if c else None)
         rec["fwd_bwd"].append(self.fwd_bwd if c else None)
+        rec["ops"].append({"total": dict(c.ops), "fwd_bwd": self.fwd_bwd_ops or dict(c.ops)} if c else None)
         rec["kv"].append(placed.kv_stats.get("forward_bytes", 0) + placed.kv_stats.get("backward_bytes", 0))
         rec["a2a"].append(a2a["bytes"] if a2a is not None else None)
         rec["routing"].append(_routing(placed.module))
@@ -145,6 +148,7 @@ class Probe:
                "comm_bytes_per_step": rec["comm"], "comm_calls_per_step": rec["calls"],
                "comm_volume_per_step": per_step(lambda b: ring_volume(b, world)),
                "comm_bytes_by_mesh_dim_per_step": rec["by_dim"], "fwd_bwd_comm_bytes_per_step": rec["fwd_bwd"],
+               "operators_per_step": rec["ops"],
                "model_state_bytes": asdict(states) | {"total": states.total} if states else None,
                "model_state_bytes_per_step": rec["held"], "local_loss": rec["local"],
                "cuda_allocated_after_step": rec["allocated"],
