@@ -103,7 +103,7 @@ def test_whole_model_estimate_says_whether_it_fits():
     (lambda: mem.zero_model_state_bytes(10, 0, 1), "world_size must be a positive integer"),
     (lambda: mem.zero_model_state_bytes(10, 8, 4), r"stage=4 is unknown; valid ZeRO stages: \[0, 1, 2, 3\]"),
     (lambda: mem.model_state_breakdown(10, precision="fp8"), "precision='fp8' is unknown"),
-    (lambda: mem.activation_bytes_per_layer(128, 1, 64, 4, recompute="some"), r"recompute='some' is unknown; valid modes: \['none', 'selective', 'full'\]"),
+    (lambda: mem.activation_bytes_per_layer(128, 1, 64, 4, recompute="some"), r"recompute='some' is unknown; valid modes: \['none', 'selective', 'full', 'op'\]"),
     (lambda: mem.activation_bytes_per_layer(-1, 1, 64, 4), "seq_len must be a positive integer"),
     (lambda: mem.estimate_memory("gpt-5"), "model='gpt-5' is unknown"),
     (lambda: mem.estimate_memory("gpt2-124m", world_size=6, tp=4), r"tp=4 x pp=1 x cp=1 \(and x ep=1\) must divide world_size=6"),

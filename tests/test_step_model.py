@@ -154,3 +154,35 @@ def test_operator_overheads_and_value_width_enter_where_an_overhead_bound_cpu_ru
     assert busy["optimizer"] - quiet["optimizer"] == pytest.approx(600 * 1e-5 + 5 * 1e-4)
     fp32 = step_time(shape, dataclasses.replace(plan, value_bytes=4), H100)
     assert fp32["compute"] > step_time(shape, plan, H100)["compute"]  # twice the bytes on the memory roof
+
+
+def test_search_enumerates_zero_1_2_hsdp_and_expert_parallelism_and_each_runs_as_labkit_train_takes_it():
+    from labkit.train.cli import configs_from
+
+    l8 = MODELS["llama3-8b"]
+    ranked = search(l8, H100, 64, 256 * l8.seq_len, 80.0)
+    kinds = {(r.plan.zero, r.plan.replicas > 1) for r in ranked}
+    assert {(0, False), (1, False), (2, False), (3, False), (3, True)} <= kinds
+    for zero, strategy in ((1, "zero1"), (2, "zero2")):
+        r = next(r for r in ranked if r.plan.zero == zero)
+        assert r.train_args[:2] == ["--strategy", strategy] and configs_from(r.train_args)[0].strategy == strategy
+    hsdp = next(r for r in ranked if r.plan.replicas > 1)
+    cfg, _ = configs_from(hsdp.train_args)
+    assert cfg.dp_replicate == hsdp.plan.replicas and cfg.dp_replicate * cfg.dp_shard * max(1, cfg.tp) == 64
+    fsdp = next(r for r in ranked if r.plan.zero == 3 and r.plan.replicas == 1 and r.plan.tp == hsdp.plan.tp
+                and r.plan.micro_batch == hsdp.plan.micro_batch and r.plan.recompute == hsdp.plan.recompute)
+    assert hsdp.memory_bytes > fsdp.memory_bytes  # states sharded over one replica's ranks only
+    mixtral = MODELS["mixtral-8x7b"]
+    moe = search(mixtral, H100, 64, 1024 * mixtral.seq_len, 80.0)
+    ep = next(r for r in moe if r.plan.ep > 1)
+    cfg, _ = configs_from(ep.train_args)
+    assert cfg.ep == ep.plan.ep and ep.prediction["expert_parallel"] > 0
+
+
+def test_zero2_reduces_gradients_every_micro_batch_and_zero1_once():
+    shape = MODELS["llama3-8b"]
+    one, two = (Plan(dp=64, micro_batch=1, global_batch=64 * 8, zero=z, dp_overlap=False) for z in (1, 2))
+    few = dataclasses.replace(two, global_batch=64)
+    assert step_time(shape, two, H100)["data_parallel"] > step_time(shape, one, H100)["data_parallel"]
+    assert step_time(shape, few, H100)["data_parallel"] == pytest.approx(step_time(shape, dataclasses.replace(
+        one, global_batch=64), H100)["data_parallel"])  # one micro-batch: the same reduce-scatter and gather

@@ -43,6 +43,9 @@ from labkit.planning.candidates import CANDIDATES, Candidate, refusal
 from labkit.planning.cost import price_run, training_flops, training_hours
 from labkit.planning.step_time import step_seconds
 
+HFU_ASSUMED = 0.4  # the chooser's step at a utilisation assumed, not predicted (labkit.planning.step_model predicts)
+
+
 @dataclass(frozen=True)
 class Option:
     label: str
@@ -130,7 +133,7 @@ def _options(shape, n_devices: int, device_memory_gb: float, micro_batch: int, s
 
 def choose_strategy(model, n_devices: int, device_memory_gb: float = 80.0, micro_batch: int = 1,
                     seq_len: int | None = None, precision: str = "mixed", devices_per_node: int = 8,
-                    headroom: float = 0.1, device: str | None = None, hfu: float = 0.4) -> Recommendation:
+                    headroom: float = 0.1, device: str | None = None, hfu: float = HFU_ASSUMED) -> Recommendation:
     """Recommend, of the candidates that fit in ``(1 - headroom)`` of device memory, the one with the
     smallest estimated step time (ties: the earlier candidate), and say why.
 

@@ -19,8 +19,9 @@ from labkit.memory.calculator import GB, MODELS, RECOMPUTE, estimate_memory, mod
 from labkit.memory.finetune import FINETUNE, TRAINED_BYTES, estimate_finetune
 from labkit.planning.accelerators import ACCELERATORS
 from labkit.planning.candidates import run_command
-from labkit.planning.choose import choose_strategy
+from labkit.planning.choose import HFU_ASSUMED, choose_strategy
 from labkit.planning.cost import DEFAULT_PREEMPTIONS_PER_DAY, price_run
+from labkit.planning.hardware import HARDWARE
 from labkit.planning.memory_report import choose_finetune, report
 
 SHAPE_FLAGS = ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "experts", "experts_per_token")
@@ -179,6 +180,16 @@ def _print_finetune(a, r) -> None:
         print(f"rule of thumb says {rec.rule_of_thumb}" + ("" if rec.rule_fits else " (which does not fit here)"))
 
 
+def _planning_command(a) -> str:
+    """The ``python -m labkit.planning`` command for the same model and devices."""
+    model = [f"--model {a.model}"] if a.model else [f"--{f.replace('_', '-')} {getattr(a, f)}" for f in SHAPE_FLAGS
+                                                   if getattr(a, f) is not None]
+    device = [f"--device-type {a.device_type}"] if a.device_type in HARDWARE else []
+    seq = [f"--seq-len {a.seq_len}"] if a.seq_len else []
+    return " ".join(["python -m labkit.planning", *model, *seq, f"--devices {a.devices}", *device,
+                     "--global-batch TOKENS"])
+
+
 def _run(a, r) -> dict | None:
     """The recommended layout as a labkit.train run (None for LoRA, QLoRA, or when nothing fits)."""
     rec = r["recommendation"]
@@ -216,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{stage:>6} " + " ".join(f"{c / GB:9.1f}" for c in cells) + f"  {'yes' if e.fits else 'no'}")
         print(f"\nrecommended: {rec.strategy or 'nothing fits'}\n  {rec.reason}")
         print(f"rule of thumb says {rec.rule_of_thumb}" + ("" if rec.rule_fits else " (which does not fit here)"))
+        print(f"  (a step at an assumed {HFU_ASSUMED:.0%} HFU and this micro-batch; for layouts ranked to the global "
+              f"batch the run can afford, with a predicted MFU:\n   {_planning_command(a)})")
     if run is not None:
         print(f"\nrun it ({run['degrees_label']}; {run['model']}):\n  {run['command']}")
     if c is not None:

@@ -12,7 +12,9 @@ fed in. What each source measured, in its own units and FLOP convention:
   TFLOP/s per GPU (BF16 MFU). The FLOP convention is not stated; PaLM's is used (Chowdhery et al.
   2022, appendix B). The 128k-token row lists DP 4, yet 16,384 GPUs and 16M tokens per step need DP 8:
   8 is used. Assumed: micro-batch 1, the interleaved schedule with 2 chunks per rank (section 3.3.2),
-  FSDP that shards optimizer states and gradients (ZeRO-2), no recomputation.
+  no recomputation, and FSDP that shards optimizer states and gradients (section 3.3.2), its gradients
+  reduce-scattered once a step after the last micro-batch, as a pipeline accumulates them: the
+  communication of ZeRO-1 (``zero=1``), not DeepSpeed's ZeRO-2, which reduces every micro-batch's.
 * **torchtitan** (Liang et al. 2025; ``docs/performance.md``): Llama 3.1 8B, FSDP2 on 8 and 128 H100s
   (96 GB HBM2e, 500 W: slower than the SXM datasheet the model uses, by an amount the doc says it does
   not know), local batch 2, sequence 8192, its selective "op" recomputation, eager (the rows without
@@ -77,7 +79,7 @@ def runs() -> list[Run]:
     l405 = {s: replace(MODELS["llama3-405b"], seq_len=s) for s in (8192, 131072)}
     for gpus, cp, dp, seq, per_dp, tflops in ((8192, 1, 64, 8192, 32, 430), (16384, 1, 128, 8192, 16, 400),
                                               (16384, 16, 8, 131072, 16, 380)):
-        plan = Plan(tp=8, pp=16, cp=cp, dp=dp, global_batch=per_dp * dp, zero=2, schedule="interleaved", chunks=2)
+        plan = Plan(tp=8, pp=16, cp=cp, dp=dp, global_batch=per_dp * dp, zero=1, schedule="interleaved", chunks=2)
         out.append(Run(f"Llama 3 405B, {gpus:,} GPUs, {seq // 1024}k", LLAMA3, l405[seq], "h100-80gb", plan,
                        "tflops", tflops))
     l8 = MODELS["llama3-8b"]

@@ -26,9 +26,12 @@ Communication (:mod:`labkit.planning.collectives`): TP's four all-reduces of ``b
 ring of K and V (Liu et al. 2023), hidden behind the attention it feeds as far as it lasts; PP's
 activations and their gradients, point to point, per micro-batch; the data-parallel gradients once
 per step (fp32, as Megatron-LM and torchtitan reduce them), hidden behind the last micro-batch's
-backward when overlapped; ZeRO-3/FSDP's gathers of bf16 parameters per micro-batch forward and backward,
+backward when overlapped (ZeRO-2's partitioned gradients after every micro-batch's backward, and the
+updated parameters all-gathered once); ZeRO-3/FSDP's gathers of bf16 parameters per micro-batch forward and backward,
 prefetched behind compute, one per layer (each its own latency), and their reduce-scatters
-(Rajbhandari et al. 2020; Zhao et al. 2023).
+(Rajbhandari et al. 2020; Zhao et al. 2023); under HSDP over the shard group only, the shards'
+gradients then all-reduced across replicas. Expert parallelism (Lepikhin et al. 2021): a rank holds
+``experts / ep`` of each layer's experts and runs four all-to-alls of its routed tokens per layer.
 
 Then the pipeline: ``(m + p - 1)`` micro-batch times for GPipe and 1F1B, ``m + (p - 1)/v`` for the
 interleaved schedule with ``v`` chunks per rank (Narayanan et al. 2021, section 2.2), and the
@@ -55,7 +58,8 @@ class Plan:
     pp: int = 1
     cp: int = 1
     dp: int = 1
-    ep: int = 1
+    ep: int = 1  # expert-parallel ranks, carved out of dp (each holds experts / ep)
+    replicas: int = 1  # HSDP (zero 3): dp = replicas x a shard group; 1 is FSDP over all dp ranks
     micro_batch: int = 1
     global_batch: int = 1  # sequences per step
     zero: int = 1
@@ -186,8 +190,11 @@ def step_time(shape: ModelShape, plan: Plan, hw: Hardware, causal: bool = True,
         ep = layers * 4 * C.all_to_all(hw, C.group(plan.ep, 1, dpn), act_bytes * shape.experts_per_token)
     across = plan.pp > 1 and st["pp"] >= dpn
     p2p = 2 * plan.chunks * C.send(hw, act_bytes / plan.tp, across) if plan.pp > 1 else 0.0
-    params = shape.n_params / (plan.tp * plan.pp)
-    shard = C.group(plan.dp * plan.cp, plan.tp, dpn)  # data-parallel ranks, CP's included
+    experts = expert_params(shape)
+    params = (shape.n_params - experts + experts / plan.ep) / (plan.tp * plan.pp)  # what a rank's layers hold
+    # data-parallel ranks, CP's included; under HSDP the shard group, the fastest of them
+    shard = C.group(plan.dp * plan.cp // plan.replicas, plan.tp, dpn)
+    replicate = C.group(plan.replicas, plan.tp * plan.cp * plan.dp // plan.replicas, dpn)
     fsdp = 0.0
     if plan.zero == 3:  # one gather per layer (each its own latency), the next prefetched behind this one
         one = C.all_gather(hw, shard, vb * params / layers)
@@ -202,17 +209,29 @@ def step_time(shape: ModelShape, plan: Plan, hw: Hardware, causal: bool = True,
     else:
         pipeline, bubble = (m + plan.pp - 1) * per_mb, (plan.pp - 1) * per_mb
     grads = 0.0
-    if plan.zero in (0, 1, 2):
+    hide = layers * lay["backward"] if plan.dp_overlap else 0.0
+    if plan.zero in (0, 1):  # gradients accumulated locally, reduced once a step
         sync = (C.all_reduce(hw, shard, 4 * params) if plan.zero == 0 else
                 C.reduce_scatter(hw, shard, 4 * params) + C.all_gather(hw, shard, vb * params))
-        hide = layers * lay["backward"] if plan.dp_overlap else 0.0
         grads = max(0.0, sync - hide)
-    owned = params / (plan.dp * plan.cp) if plan.zero >= 1 else params
+    elif plan.zero == 2:  # partitioned gradients: reduce-scattered after every micro-batch's backward
+        rs = max(0.0, C.reduce_scatter(hw, shard, 4 * params) - hide)
+        grads = m * rs + C.all_gather(hw, shard, vb * params)
+    elif plan.replicas > 1:  # HSDP: the reduce-scattered shards all-reduced across the replicas
+        grads = max(0.0, C.all_reduce(hw, replicate, 4 * params / shard.n) - hide)
+    owned = params / (plan.dp * plan.cp // plan.replicas) if plan.zero >= 1 else params
     optimizer = 30 * owned / hw.bytes_per_s + ops.seconds(hw, "step")
     total = pipeline + grads + optimizer
     return {"compute": m * compute, "overhead": m * overhead, "tensor_parallel": m * tp, "context_parallel": m * cp,
             "expert_parallel": m * ep, "pipeline_p2p": m * p2p, "fsdp": m * fsdp, "bubble": bubble,
             "data_parallel": grads, "optimizer": optimizer, "total": total}
+
+
+def expert_params(shape: ModelShape) -> float:
+    """Parameters in the experts' MLPs, all layers (0 for a dense model)."""
+    if shape.experts <= 1:
+        return 0.0
+    return shape.n_layer * sum(k * n * copies for k, n, copies in linear_layers(shape).values() if copies > 1)
 
 
 def model_flops_per_token(shape: ModelShape, causal: bool = False) -> float:
