@@ -20,7 +20,7 @@ help:
 	@echo "make book              set up .venv, execute every lab (PROFILE=$(PROFILE)), build the HTML book"
 	@echo "make test              set up .venv, run the whole test suite"
 	@echo "make lab LAB=data_parallel PROFILE=cpu|ci|gpu   execute one lab into $(BUILD)/runs/"
-	@echo "make lab-ui            open the labs in JupyterLab"
+	@echo "make lab-ui            open the labs in JupyterLab (LAB_UI_OPTS=\"--no-browser --port N\" passes options)"
 	@echo "make assignments       nbgrader student notebooks of the labs' exercises in course/release/"
 	@echo "make serve             serve the built book on http://127.0.0.1:8000"
 	@echo "make gpu-check         on a GPU node: every strategy, precision, MFU and lab; report in $(BUILD)/gpu_check/"
@@ -71,8 +71,11 @@ test: $(STAMP) $(LAB_SETTINGS)
 serve:
 	$(PY) -m http.server 8000 --bind 127.0.0.1 --directory $(BUILD)/html
 
+# Jupyter refuses to run as root without --allow-root (a container, CI); LAB_UI_OPTS passes more, e.g.
+# make lab-ui LAB_UI_OPTS="--no-browser --port 8890"
+LAB_UI_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 lab-ui: $(STAMP) $(LAB_SETTINGS)
-	$(VENV)/bin/jupyter lab labs/
+	$(VENV)/bin/jupyter lab labs/ $(LAB_UI_ROOT) $(LAB_UI_OPTS)
 
 # The graded exercises at the end of every lab, as nbgrader assignments (book/instructors.md).
 assignments: $(STAMP)

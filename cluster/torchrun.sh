@@ -5,8 +5,15 @@
 #   STRATEGY   single | ddp | fsdp | zero1 | zero2 | zero3 | dp_naive | dp_bucketed | zero1_scratch | tp | pp
 #              (default: ddp; tp and pp take --tp, --pp, --microbatches and --schedule after the script name)
 #   STEPS, SEED, METRICS, and any extra flags of `python -m labkit.train` after the script name.
+#   PYTHON     the Python that has torch and labkit (default: this checkout's .venv/bin/python from
+#              make venv, else python3; checked before anything runs)
 set -euo pipefail
-PY=${PYTHON:-python}
+LABKIT_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=/dev/null
+. "$LABKIT_ROOT/cluster/find-python.sh"
+find_python
+PY=$PYTHON
+export PYTHONPATH="$LABKIT_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 if [ -z "${DEVICE:-}" ]; then
   DEVICE=$($PY -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 fi

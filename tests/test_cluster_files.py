@@ -387,6 +387,12 @@ def test_lab_and_deepspeed_scripts_stop_early_naming_what_is_missing():
     assert out.returncode == 2 and "PROFILE='huge' is unknown for lab 'data_parallel'; valid profiles" in out.stderr
     out = _run("deepspeed.sbatch", STRATEGY="ddp")
     assert out.returncode == 2 and "STRATEGY=ddp is not a DeepSpeed strategy; valid: zero1, zero2, zero3" in out.stderr
+    # a Python without torch (the node's system python) stops at once, naming PYTHON=
+    out = _run("lab.sbatch", LAB="data_parallel", PYTHON="/bin/false")
+    assert out.returncode == 2 and "PYTHON=/bin/false cannot import labkit, torch, papermill, jupytext" in out.stderr
+    proc = subprocess.run(["bash", str(ROOT / "cluster" / "torchrun.sh")], env=_env(PYTHON="/bin/false"),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "set PYTHON= to the Python that has them" in proc.stderr
 
 
 @pytest.mark.parametrize("strategy", RECIPE_STRATEGIES)

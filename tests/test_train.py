@@ -33,8 +33,10 @@ def test_torchrun_matches_single_process(tmp_path, strategy):
     out = tmp_path / f"{strategy}.json"
     env = {**ENV, "PYTHON": sys.executable, "DEVICE": "cpu", "NPROC": "2", "STRATEGY": strategy,
            "STEPS": "4", "SEED": "3", "METRICS": str(out)}
+    if strategy == "ddp":  # as README runs it: no PYTHON, from another folder; it finds the checkout's .venv
+        env.pop("PYTHON")
     proc = subprocess.run(["bash", str(ROOT / "cluster" / "torchrun.sh"), "--block-size", "16"],
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads(out.read_text())
     assert m["world_size"] == 2 and len(m["ranks"]) == 2

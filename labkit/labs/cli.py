@@ -4,12 +4,35 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from labkit.core.checks import positive_int
 from labkit.core.cli import ArgumentParser
 from labkit.labs.profiles import PROFILES
-from labkit.labs.parameters import resolve, train_flags
+from labkit.labs.parameters import profile_world_size, resolve, train_flags
 from labkit.labs.runner import OUT_DIR, check_lab, list_labs, run_lab
+
+
+def parse_value(text: str) -> Any:
+    """A ``-p`` value as papermill reads one: JSON where it parses (``5``, ``1e-3``, ``true``, ``[2, 4]``),
+    Python's ``True``/``False``/``None`` too, otherwise the text itself."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return {"True": True, "False": False, "None": None}.get(text, text)
+
+
+def check_gpus_here(lab: str, profile: str, gpus: int | None, overrides: dict) -> None:
+    """A ValueError when a run would put ``lab`` on more GPUs than this machine has (``--gpus`` plans
+    for GPUs; ``resolve --gpus`` shows such a plan without running it)."""
+    if gpus is None or resolve(lab, profile, gpus=gpus, **overrides).get("device") != "cuda":
+        return
+    from labkit.labs.parameters import _gpu_count
+
+    have = _gpu_count()
+    if have < gpus:
+        raise ValueError(f"--gpus {gpus}: this machine has {have} GPU(s); run on a machine that has them, or "
+                         f"print the plan without running it: python -m labkit resolve {lab} {profile} --gpus {gpus}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--gpus", type=int, default=None, help="GPUs to fit a gpu profile to (default: those found)")
     r.add_argument("--as-script", action="store_true", help="run the lab's cells in order without Jupyter "
                    "(for machines without papermill or a kernel); writes the metrics JSON only")
+    r.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
+                   help="override one of the profile's parameters, as papermill's -p does: -p steps 5 -p lr 1e-3 "
+                   "(VALUE read as JSON: numbers, true/false, lists; otherwise a string); checked before any lab runs")
     rs = sub.add_parser("resolve", help="print, as JSON, the parameters a lab runs with under a profile "
                         "(a gpu profile fitted to --gpus N; nothing looks for GPUs)")
     rs.add_argument("lab")
@@ -34,12 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     f = sub.add_parser("flags", help="print the labkit.train flags of a lab's profile (for batch scripts)")
     f.add_argument("lab")
     f.add_argument("profile")
-    f.add_argument("--world-size", type=int, required=True, help="ranks in all (for per-rank batch sizes)")
+    f.add_argument("--world-size", type=int, default=None, help="ranks in all, for per-rank batch sizes "
+                   "(default: the profile's own, where it names one; a gpu profile's is every GPU: give it)")
     args = ap.parse_args(argv)
     if args.cmd == "flags":
         try:
-            positive_int("--world-size", args.world_size)
-            print(" ".join(train_flags(args.lab, args.profile, args.world_size)))
+            world = args.world_size if args.world_size is not None else profile_world_size(args.lab, args.profile)
+            positive_int("--world-size", world)
+            print(" ".join(train_flags(args.lab, args.profile, world)))
         except ValueError as e:
             ap.error(str(e))
         return 0
@@ -65,16 +93,19 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(PROFILES, indent=1))
         return 0
     names = args.labs or list_labs()
+    overrides = {key: parse_value(value) for key, value in args.parameter}
     try:
         if args.gpus is not None:
             positive_int("--gpus", args.gpus)
-        for name in names:  # a bad lab or profile is an argument error, before any lab runs
-            check_lab(name, args.profile, gpus=args.gpus)
+        for name in names:  # a bad lab, profile or value is an argument error, before any lab runs
+            check_lab(name, args.profile, gpus=args.gpus, overrides=overrides)
+            check_gpus_here(name, args.profile, args.gpus, overrides)
     except ValueError as e:
         ap.error(str(e))
     try:
         for name in names:
-            run_lab(name, args.profile, args.out, args.force, gpus=args.gpus, as_script=args.as_script)
+            run_lab(name, args.profile, args.out, args.force, gpus=args.gpus, as_script=args.as_script,
+                    overrides=overrides or None)
     except RuntimeError as e:  # a lab failed, or needs a missing package: not the caller's argument
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -8,6 +8,9 @@ whether its parts that need two ranks or more can run (the lab then says which i
 """
 from __future__ import annotations
 
+import math
+from typing import Any
+
 from labkit.core.checks import positive_int
 from labkit.labs.profiles import PROFILES
 
@@ -25,6 +28,47 @@ def _profile(lab: str, profile: str) -> dict:
     if profile not in PROFILES[lab]:
         raise ValueError(f"PROFILE={profile!r} is unknown for lab {lab!r}; valid profiles: {list(PROFILES[lab])}")
     return dict(PROFILES[lab][profile])
+
+
+# Counts: an override must be a whole number of at least 1. Fractions: at least 0 and below 1.
+COUNTS = ("steps", "batch_size", "n_layer", "n_head", "n_embd", "block_size", "world_size", "microbatches",
+          "grad_accum", "vocab_size", "gpus")
+FRACTIONS = ("dropout",)
+
+
+def check_override(key: str, value: Any, default: Any) -> None:
+    """A ValueError naming ``key`` unless ``value`` has the type of the profile's ``default`` (an int
+    where a float is expected is fine) and a sensible range: counts at least 1, fractions in [0, 1),
+    no negative number where the profile's is not negative."""
+    def named(kind: str) -> str:
+        return f"OVERRIDES[{key!r}]={value!r} must be {kind} (the profile has {default!r})"
+
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int) or key in COUNTS:
+        ok = isinstance(value, int) and not isinstance(value, bool) or (key in COUNTS and isinstance(default, str)
+                                                                        and value == default)
+    elif isinstance(default, float):
+        ok = number
+    elif default is None:
+        ok = True
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        kinds = {bool: "true or false", int: "a whole number", float: "a number", str: "a string", list: "a list",
+                 dict: "a mapping"}
+        raise ValueError(named("a whole number" if key in COUNTS else kinds.get(type(default), type(default).__name__)))
+    if not number:
+        return
+    if not math.isfinite(value):
+        raise ValueError(named("finite"))
+    if key in COUNTS and value < 1:
+        raise ValueError(named("a whole number of at least 1"))
+    if key in FRACTIONS and not 0 <= value < 1:
+        raise ValueError(named("at least 0 and below 1"))
+    if isinstance(default, (int, float)) and default >= 0 and value < 0:
+        raise ValueError(named("at least 0"))
 
 
 def _per_rank_batch(p: dict, world_size: int | None) -> None:
@@ -112,17 +156,30 @@ def resolve(lab: str, profile: str = "cpu", gpus: int | None = None, **overrides
     unknown = set(overrides) - set(p)
     if unknown:
         raise ValueError(f"OVERRIDES has unknown keys {sorted(unknown)}; valid keys: {sorted(p)}")
+    for key, value in overrides.items():
+        check_override(key, value, p[key])
     if p.get("device") == "cuda":
         n = gpus if gpus is not None else _gpu_count()
         if n == 0 and "device" not in overrides:
-            raise ValueError(f"PROFILE={profile!r} needs CUDA GPUs and found none; use PROFILE='cpu' or 'ci', "
-                             "or GPUS=N to plan for N GPUs")
+            raise ValueError(f"PROFILE={profile!r} needs CUDA GPUs and found none; use PROFILE='cpu' or 'ci' "
+                             f"here (python -m labkit resolve {lab} {profile} --gpus N prints what it would run "
+                             "with on N GPUs, without running it)")
         fit_to_gpus(lab, p, n or 1)
     elif isinstance(p.get("world_size"), int):
         p["multi_rank"] = p["world_size"] >= 2
     _per_rank_batch(p, p.get("world_size"))
     p.update(overrides)
     return p
+
+
+def profile_world_size(lab: str, profile: str) -> int:
+    """The ranks ``profile`` of ``lab`` names; a ValueError asking for ``--world-size`` where it names
+    none (a gpu profile runs on every GPU found, which a login node cannot know)."""
+    world = _profile(lab, profile).get("world_size")
+    if not isinstance(world, int):
+        raise ValueError(f"PROFILE={profile!r} of lab {lab!r} runs on world_size={world!r} ranks: give "
+                         "--world-size N, the ranks the job will have")
+    return world
 
 
 def train_flags(lab: str, profile: str, world_size: int) -> list[str]:
