@@ -5,8 +5,17 @@ SHELL := /bin/bash
 
 PYTHON ?= python3.11
 VENV := .venv
+# LABKIT_PYTHON: a Python that already has the course installed (the hub image sets it): no .venv is
+# made, and every target runs with that Python and the tools beside it.
+ifdef LABKIT_PYTHON
+PY := $(LABKIT_PYTHON)
+BIN := $(dir $(shell command -v $(LABKIT_PYTHON)))
+STAMP :=
+else
 PY := $(VENV)/bin/python
+BIN := $(VENV)/bin/
 STAMP := $(VENV)/.installed
+endif
 PROFILE ?= ci
 LAB ?=
 BUILD := _build
@@ -32,6 +41,7 @@ help:
 # (2 of the 3.6 minutes of set-up here); compileall does it on every core, after the installs (a few
 # packages ship files for other Pythons, which pip skips too: its status is not a check).
 PIP_INSTALL := $(PY) -m pip install -q --no-compile
+ifndef LABKIT_PYTHON
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) pip==24.3.1 setuptools==84.2.1 wheel==0.48.0
@@ -47,6 +57,9 @@ $(STAMP): requirements.txt pyproject.toml
 LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.json
 $(LAB_SETTINGS): cluster/jupyterhub/overrides.json | $(STAMP)
 	install -D -m 644 $< $@
+else
+LAB_SETTINGS :=
+endif
 
 venv: $(STAMP) $(LAB_SETTINGS)
 
@@ -58,7 +71,7 @@ lab: $(STAMP)
 	$(PY) -m labkit run $(LAB) --profile $(PROFILE) --out $(BUILD)/runs/$(PROFILE) --force
 
 book: labs
-	$(VENV)/bin/jupyter-book build . --builder html -W --keep-going
+	$(BIN)jupyter-book build . --builder html -W --keep-going
 	@echo
 	@echo "The book is in $(BUILD)/html. Open $(CURDIR)/$(BUILD)/html/index.html in a browser,"
 	@echo "or run 'make serve' and visit http://127.0.0.1:8000 (search needs a served copy)."
@@ -75,7 +88,7 @@ serve:
 # make lab-ui LAB_UI_OPTS="--no-browser --port 8890"
 LAB_UI_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 lab-ui: $(STAMP) $(LAB_SETTINGS)
-	$(VENV)/bin/jupyter lab labs/ $(LAB_UI_ROOT) $(LAB_UI_OPTS)
+	$(BIN)jupyter lab labs/ $(LAB_UI_ROOT) $(LAB_UI_OPTS)
 
 # The graded exercises at the end of every lab, as nbgrader assignments (book/instructors.md).
 assignments: $(STAMP)

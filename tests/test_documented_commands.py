@@ -9,6 +9,7 @@ command) and each must match one rule of :data:`RULES`, which says how it is tes
   would parse them (8 GPUs pretended), so a renamed or removed flag fails here;
 * ``help``: a template (``LAB``, ``...``, ``K``): its entry point's ``--help`` must run and name each
   flag the template uses;
+* ``papermill-path``: README's jupytext-then-papermill commands, run in order;
 * ``torchrun-flag``: a flag of torchrun's own, named in prose: its ``--help`` must name it;
 * ``dry``: a ``make`` target that starts a server or runs the suite: ``make -n`` must expand it;
 * ``elsewhere``: the named test runs it (Slurm scripts through a fake ``sbatch`` environment, the
@@ -19,6 +20,7 @@ A new command in a document with no rule fails :func:`test_every_documented_comm
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shlex
@@ -35,7 +37,8 @@ COMMAND = re.compile(r"(python -m labkit|make [a-z]|bash cluster/|torchrun |sbat
 # (pattern on the command, how it is tested)
 RULES: list[tuple[str, str]] = [
     (r"make (book|test)$", "elsewhere: .ci/run runs make test, whose test_book builds the book"),
-    (r"make (lab-ui|serve|assignments|venv)$", "dry"),
+    (r"make (lab-ui|serve|assignments|venv)( LAB_UI_OPTS=.*)?$", "dry"),
+    (r"(jupytext|papermill) ", "papermill-path"),
     (r"make lab LAB=\w+ PROFILE=(cpu|ci)$", "dry"),
     (r"make lab LAB=\w+ PROFILE=gpu$", "gpu"),
     (r"make gpu-check", "dry"),
@@ -67,6 +70,7 @@ def _commands() -> dict[str, str]:
         for span in spans:
             line = re.sub(r"\s+", " ", span.strip().removeprefix("$ ").split("  #")[0].split(" # ")[0]).strip()
             line = re.sub(r"^(\.venv/bin/)?python3? ", "python ", line)  # the venv's Python is on PATH here
+            line = re.sub(r"^\.venv/bin/(jupytext|papermill) ", r"\1 ", line)
             if COMMAND.match(line):
                 out.setdefault(line, doc.relative_to(ROOT).as_posix())
     return out
@@ -113,6 +117,18 @@ def test_gpu_commands_stop_at_once_here_with_one_line(command):
     assert proc.returncode == 2, f"{command}: {proc.returncode}\n{proc.stderr[-2000:]}"
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("make")]
     assert len(lines) == 1 and "GPU" in lines[0], proc.stderr
+
+
+def test_the_papermill_path_runs_as_documented():
+    steps = _of("papermill-path")
+    steps.sort(key=list(COMMANDS).index)  # in the order the document gives them
+    assert [c.split()[0] for c in steps] == ["jupytext", "papermill"]
+    metrics = ROOT / "_build" / "data_parallel.metrics.json"
+    metrics.unlink(missing_ok=True)
+    for command in steps:
+        proc = _shell(command)
+        assert proc.returncode == 0, f"{command}:\n{proc.stderr[-2000:]}"
+    assert json.loads(metrics.read_text())["params"]["steps"] == 8  # the override reached the lab
 
 
 @functools.lru_cache(maxsize=None)

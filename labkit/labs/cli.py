@@ -87,14 +87,18 @@ def main(argv: list[str] | None = None) -> int:
             print(s.getsockname()[1])
         return 0
     if args.cmd == "list":
-        print(" ".join(list_labs()))
+        try:
+            print(" ".join(list_labs()))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         return 0
     if args.cmd == "profiles":
         print(json.dumps(PROFILES, indent=1))
         return 0
-    names = args.labs or list_labs()
     overrides = {key: parse_value(value) for key, value in args.parameter}
     try:
+        names = args.labs or list_labs()
         if args.gpus is not None:
             positive_int("--gpus", args.gpus)
         for name in names:  # a bad lab, profile or value is an argument error, before any lab runs

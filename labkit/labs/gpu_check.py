@@ -185,8 +185,9 @@ def _setting(ap: ArgumentParser, args) -> tuple[Setting, list[str], list[str]]:
         bad = sorted(set(only) - set(ITEMS))
         if bad:
             raise ValueError(f"--only has unknown items {bad}; valid items: {list(ITEMS)}")
-        labs = args.labs.split(",") if args.labs else list_labs()
-        if set(labs) - set(list_labs()):
+        wanted = not only or "labs" in only  # a missing labs/ folder is an error only where labs are run
+        labs = args.labs.split(",") if args.labs else (list_labs() if wanted else [])
+        if args.labs and set(labs) - set(list_labs()):
             raise ValueError(f"--labs has unknown labs {sorted(set(labs) - set(list_labs()))}; valid: {list_labs()}")
         strategies = tuple(args.strategies.split(",")) if args.strategies else None
         if strategies and set(strategies) - set(STRATEGIES):

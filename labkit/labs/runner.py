@@ -24,7 +24,13 @@ OUT_DIR = ROOT / "book" / "labs"
 
 
 def list_labs(labs_dir: Path = LABS_DIR) -> list[str]:
-    return sorted(p.stem for p in labs_dir.glob("*.md"))
+    """The labs in ``labs_dir``; a ValueError when it holds none (labkit installed without the
+    course's ``labs/`` folder beside it: every lab would be silently missing)."""
+    labs = sorted(p.stem for p in labs_dir.glob("*.md"))
+    if not labs:
+        raise ValueError(f"no labs in {labs_dir}: labkit is installed without the course's labs/ folder beside it "
+                         "(a checkout of the repository has it; an image must copy labs/ and bench/)")
+    return labs
 
 
 def check_lab(name: str, profile: str, labs_dir: Path = LABS_DIR, gpus: int | None = None,
