@@ -184,6 +184,8 @@ def test_job_variables_are_all_defined_and_the_rendezvous_is_pod_zero():
     assert used <= set(literals) | {e["name"] for e in c.get("env", [])}, used - set(literals)
     assert f"--rdzv-endpoint={job['metadata']['name']}-0.{job['spec']['template']['spec']['subdomain']}:29500" in script
     assert c["image"] in {i["name"] for i in base["images"]}
+    # training talks to no Kubernetes API: its pods get no service-account token
+    assert job["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed; .ci/run installs it")

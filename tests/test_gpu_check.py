@@ -149,9 +149,12 @@ def test_a_lab_run_as_a_script_records_what_papermill_records(tmp_path):
     another test worker may be writing.)"""
     from labkit.labs import run_lab
 
-    papermill = json.loads(run_lab("strategy_cost", "ci", tmp_path / "papermill", force=True).read_text())
+    # the lab's arithmetic only: its CPU section is timings, which no two runs share
+    papermill = json.loads(run_lab("strategy_cost", "ci", tmp_path / "papermill", force=True,
+                                   overrides={"cpu_prediction": False}).read_text())
     proc = subprocess.run([sys.executable, "-m", "labkit", "run", "strategy_cost", "--profile", "ci", "--as-script",
-                           "--out", str(tmp_path)], env=ENV, capture_output=True, text=True, timeout=300)
+                           "-p", "cpu_prediction", "false", "--out", str(tmp_path)], env=ENV, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "strategy_cost.metrics.json").read_text()) == papermill
     assert "wrote strategy_cost.metrics.json" in (tmp_path / "strategy_cost.log").read_text()

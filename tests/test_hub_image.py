@@ -81,7 +81,8 @@ def test_the_image_lists_every_lab_and_runs_one_from_a_home_folder(image, tmp_pa
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert (tmp_path / "out" / "packing.metrics.json").is_file()
     # make runs with the image's Python: no .venv is made
-    proc = subprocess.run(["make", "-n", "assignments"], cwd=image, env=_env(image), capture_output=True, text=True)
+    proc = subprocess.run(["make", "-n", "--no-print-directory", "assignments"], cwd=image, env=_env(image),
+                          capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.strip() == "python -m labkit.labs.assignments", proc.stdout
 
 

@@ -181,3 +181,14 @@ def test_a_swiglu_gqa_block_keeps_40_5_sbh_where_gpt_keeps_34():
     est = estimate_memory(shape, 1, 1, 0, "mixed")
     lse = 4 * shape.heads * s * b  # FlashAttention's fp32 log-sum-exp
     assert est.parts["activation_bytes_per_layer"] - lse == 40.5 * s * b * h  # no dropout, 8 K/V heads, 4 ffn tensors
+
+
+def test_context_parallel_scores_fall_as_one_over_c_not_its_square():
+    """Without fused attention each CP rank keeps its s/C queries' scores against all s keys."""
+    shape = mem.MODELS["llama2-7b"]
+    common = dict(world_size=4, stage=3, flash_attention=False, dropout=False, seq_len=8192)
+    one, two = (mem.estimate_memory(shape, cp=c, **common) for c in (1, 2))
+    scores = 2 * shape.heads * 8192 * 8192  # 16-bit softmax output, no dropout: most of the layer here
+    assert scores > one.parts["activation_bytes_per_layer"] / 2
+    # every term halves, the scores too (as (s/2)^2 they would fall to a quarter)
+    assert two.parts["activation_bytes_per_layer"] == one.parts["activation_bytes_per_layer"] // 2

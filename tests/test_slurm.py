@@ -165,3 +165,23 @@ def test_launch_slurm_runs_a_lab_function_on_two_nodes_and_gathers_results(slurm
     assert len(out) == 4 and [r["world_size"] for r in out] == [4] * 4
     ref = train(TrainConfig(steps=5, batch_size=8), model)
     assert np.abs(np.array(out[0]["loss"]) - np.array(ref["loss"])).max() < 1e-5
+
+
+def test_launch_slurm_quotes_its_folder_and_reports_a_job_that_died_at_once(slurm, monkeypatch, tmp_path):
+    """A folder named like a shell command runs nothing (the job script quotes it), and a job that
+    ends without a result is reported as soon as it leaves the queue, not after the whole timeout."""
+    import time
+
+    from labkit.launch.slurm import launch_slurm
+
+    monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
+    hostile = tmp_path / "labs$(touch pwned) (copy)"
+    hostile.mkdir()
+    monkeypatch.chdir(hostile)
+    out = launch_slurm(os.getcwd, nodes=1, tasks_per_node=1, folder=tmp_path / "jobs", timeout=120)
+    assert out == [str(hostile)] and not list(tmp_path.rglob("pwned")) and not (ROOT / "pwned").exists()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="ended .* without a result from its tasks; its log says why"):
+        launch_slurm(os.getcwd, nodes=1, tasks_per_node=1, folder=tmp_path / "jobs", timeout=120,
+                     slurm_extra={"setup": ["exit 3"]})
+    assert time.monotonic() - t0 < 60

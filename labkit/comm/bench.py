@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.comm.p2p import exchange
-from labkit.core.checks import one_of, positive_int, positive_number
+from labkit.core.checks import one_of, output_file, positive_int, positive_number
 from labkit.core.cli import ArgumentParser
 from labkit.core.devices import DEVICE_TYPES, backend_for, rank_device, synchronize
 
@@ -235,8 +235,10 @@ def _check(ap: ArgumentParser, a) -> tuple[list[str], int, int]:
         positive_int("--warmup", a.warmup + 1)
         positive_number("--target-ms", a.target_ms)
         one_of("--device", a.device, DEVICE_TYPES, "devices")
-        if a.json is not None and not a.json.parent.is_dir():
-            raise ValueError(f"--json {a.json}: the folder {a.json.parent} does not exist")
+        if a.json is not None:
+            if not a.json.parent.is_dir():
+                raise ValueError(f"--json {a.json}: the folder {a.json.parent} does not exist")
+            output_file("--json", a.json)
     except ValueError as e:
         ap.error(str(e))
     return ops, lo, hi

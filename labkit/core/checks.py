@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+from pathlib import Path
 from typing import Any, Iterable
 
 
@@ -65,3 +67,39 @@ def one_of(name: str, value: Any, valid: Iterable[Any], kind: str = "values") ->
     if value not in valid:
         raise ValueError(f"{name}={value!r} is unknown; valid {kind}: {valid}")
     return value
+
+
+def output_file(name: str, path: Any) -> Path:
+    """``path`` as a Path, or a ValueError naming ``name`` unless it is a regular file this process can
+    create or append to: checked before the work that writes it (found at the end, a bad path loses
+    the output). A file that did not exist is not left behind."""
+    if path is None or str(path) == "":
+        raise ValueError(f"{name}={str(path or '')!r} is empty (an unset variable?): give a path, or leave it out")
+    path = Path(path)
+    try:
+        if path.exists() and not path.is_file():
+            raise ValueError(f"{name}={str(path)!r} is not a regular file (a directory or a device): pass a file path")
+        existed = path.exists()
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{name}={str(path)!r} cannot be written ({e.strerror or e}); pass another file path") from None
+    if not existed:
+        path.unlink()
+    return path
+
+
+def output_dir(name: str, path: Any) -> Path:
+    """``path`` as a Path, made if missing, or a ValueError naming ``name`` unless files can be created in it."""
+    if path is None or str(path) == "":
+        raise ValueError(f"{name}={str(path or '')!r} is empty (an unset variable?): give a folder")
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{name}={str(path)!r} is a file, not a folder: pass a folder for the outputs")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(f"no write permission on {path}")
+    except OSError as e:
+        raise ValueError(f"{name}={str(path)!r} is not a writable folder ({e.strerror or e})") from None
+    return path

@@ -93,3 +93,31 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
 def share_cores(local_ranks: int) -> None:
     """N ranks on one host, each defaulting to every core, oversubscribe the CPU badly."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+
+
+def _env_int(name: str, default: int | None = None, low: int = 0) -> int:
+    text = os.environ.get(name)
+    if text is None:
+        if default is None:
+            raise ValueError(f"{name} is not set but RANK is: torchrun sets both; set {name} to the number of ranks")
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} must be a whole number") from None
+    if value < low:
+        raise ValueError(f"{name}={value} must be at least {low}")
+    return value
+
+
+def torchrun_env() -> tuple[int, int, int, int]:
+    """``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` as torchrun sets them, checked: a
+    ValueError naming the variable (a rank outside the world would wait for ever for its peers)."""
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE", low=1)
+    if rank >= world:
+        raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world}: ranks are 0..{world - 1}")
+    local_world = _env_int("LOCAL_WORLD_SIZE", 1, low=1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if local_rank >= local_world:
+        raise ValueError(f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world}")
+    return rank, world, local_rank, local_world

@@ -48,25 +48,16 @@ from labkit.core.devices import side_group
 from labkit.fault_tolerance import directory as ckdir
 from labkit.fault_tolerance import loading
 from labkit.fault_tolerance.directory import LATEST, MANIFEST  # noqa: F401 - part of this module's names
-from labkit.fault_tolerance.files import (
-    DEFAULT_HASH,
-    HASHES,
-    CheckpointError,
-    check_loadable,
-    describe,
-    file_digest,
-    fsync_tree,
-    split,
-    write_durably,
-)
+from labkit.fault_tolerance.files import (DEFAULT_HASH, HASHES, CheckpointError, check_loadable, describe,
+                                          file_digest, fsync_tree, split, write_durably)
 from labkit.fault_tolerance.loading import LOCAL, is_engine
-from labkit.fault_tolerance.lock import DirectoryLock
+from labkit.fault_tolerance.lock import Closing, DirectoryLock, lock_wanted
 from labkit.fault_tolerance.step_log import LoadInfo, SaveStats
 
 IF_UNUSABLE = ("raise", "start_over")
 
 
-class Checkpointer:
+class Checkpointer(Closing):
     """Atomic, verified, retained checkpoints of a nested ``state`` dict; see the module docstring."""
 
     def __init__(self, directory: str | os.PathLike, keep_last: int = 2, async_save: bool = False,
@@ -75,7 +66,7 @@ class Checkpointer:
         hash = hash or DEFAULT_HASH
         one_of("hash", hash, HASHES, "hashes")
         self.dir, self.keep_last, self.async_save, self.hash = Path(directory), keep_last, async_save, hash
-        self.readonly, self.lock = readonly, None
+        self.readonly, self.lock, want_lock = readonly, None, lock_wanted()
         if not readonly:
             ckdir.check_writable(self.dir, "directory")
         elif not self.dir.is_dir():
@@ -88,7 +79,7 @@ class Checkpointer:
         err = None
         if self.rank == 0 and not readonly:
             try:  # one writer at a time; then what saves or deletions killed half-way left behind
-                self.lock = DirectoryLock(self.dir)
+                self.lock = DirectoryLock(self.dir) if want_lock else None
                 for line in ckdir.recover_leftovers(self.dir):
                     warnings.warn(f"{self.dir}: {line}", stacklevel=2)
             except (OSError, CheckpointError) as e:
@@ -248,23 +239,29 @@ class Checkpointer:
         self.wait()
         t0 = time.perf_counter()
         skipped = self.last_skipped = []
-        for step in reversed(self.steps()):
-            problems = self.verify(step)
-            state = None
-            if not problems:
-                try:
+        steps = list(reversed(self.steps()))
+        while steps:
+            step, state = steps.pop(0), None
+            try:
+                problems = self.verify(step)
+                if not problems:
                     saved = self._open(step)
                     moved = bool(check(saved["skeleton"])) if check is not None else False
                     state = self._read(step, saved, template, moved)
-                except (CheckpointError, dcp.CheckpointException) as e:  # DCP's is a BaseException
-                    problems = [f"refused to load: {describe(e)}"]
+                    saved_world = self.manifest(step)["world_size"]
+            except (CheckpointError, dcp.CheckpointException, FileNotFoundError) as e:  # DCP's is a BaseException
+                problems = [f"refused to load: {describe(e)}"]
+            if problems and self.readonly and not (self.dir / self.name(step)).exists() and len(skipped) < 100:
+                steps = [s for s in reversed(self.steps()) if s != step]  # the writer retired it: look again
+                skipped.append((step, "retired by the writer while it was read"))
+                continue
             if problems:
                 skipped.append((step, "; ".join(problems)))
                 warnings.warn(f"checkpoint {self.dir / self.name(step)} is unusable ({'; '.join(problems)}); "
                               "trying an older one", stacklevel=2)
                 continue
-            self.last_load = LoadInfo(step, str(self.dir / self.name(step)), self.manifest(step)["world_size"],
-                                      time.perf_counter() - t0, skipped)
+            self.last_load = LoadInfo(step, str(self.dir / self.name(step)), saved_world, time.perf_counter() - t0,
+                                      skipped)
             return step, state
         self.last_load = None
         if skipped and if_unusable == "raise":

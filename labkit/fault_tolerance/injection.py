@@ -100,13 +100,44 @@ def run_with_faults(train_args: list[str], faults: list[Fault], log: str | os.Pa
             codes.append(proc.returncode)
         finally:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_tree(proc.pid)
                 proc.wait()
         events = read_log(log)
         if proc.returncode == 0 or not events or events[-1]["event"] != "preempted":
             break  # finished, or failed for another reason than a preemption: do not requeue
     return {"returncodes": codes, "fired": fired, "events": read_log(log),
             "output_tail": out_path.read_text(errors="replace")[-4000:]}
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, from /proc: torchrun's elastic agent starts each worker in a
+    session of its own, so killing the agent's process group misses them."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended while we read
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, its process group and every process below it, whatever their sessions."""
+    for p in [*_descendants(pid), pid]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _due(events: list[dict], seen: int, fault: Fault) -> bool:

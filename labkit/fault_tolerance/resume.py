@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
 MUST_MATCH = ("seed", "batch_size", "model")  # they define the data order and the parameters
+# and these the saved optimizer's, scaler's and scheduler's state: a resume with others is refused
+# (checkpoints from before they were recorded resume as before)
+MUST_MATCH_IF_SAVED = ("precision", "lr_schedule")
 
 
 def _unwrap(model):
@@ -70,7 +73,7 @@ def check_compatible(saved: dict, meta: dict) -> list[str]:
     ``meta["reshardable"]`` is False for a checkpoint that only loads as it was written, on the strategy,
     world size and ``meta["layout"]`` that wrote it (DeepSpeed's own format; tensor parallelism, whose
     fused QKV rows are stored grouped by rank)."""
-    for key in MUST_MATCH:
+    for key in MUST_MATCH + tuple(k for k in MUST_MATCH_IF_SAVED if k in saved):
         if saved.get(key) != meta.get(key):
             raise ValueError(f"the checkpoint was saved with {key}={saved.get(key)!r} but this run has "
                              f"{key}={meta.get(key)!r}: resuming would be a different run; set {key} back "
@@ -89,6 +92,19 @@ def check_compatible(saved: dict, meta: dict) -> list[str]:
     return notes
 
 
+def new_learning_rate(saved: float, new: float, optimizer, scheduler, engine) -> str:
+    """Apply a learning rate changed at resume: the schedule continues at the same point of its curve,
+    scaled to the new peak. The note says what was done (the metrics record it)."""
+    if engine is not None or optimizer is None:
+        raise ValueError(f"lr={new!r} differs from the checkpoint's {saved!r}, and this strategy's optimizer "
+                         "restores its own learning rate: resume with --lr set back to the saved value")
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * new / saved
+    if scheduler is not None:
+        scheduler.base_lrs = [b * new / saved for b in scheduler.base_lrs]
+    return f"lr changed from {saved:g} to {new:g} at resume: applied, the schedule scaled to it"
+
+
 def restore(ckpt: Checkpointer, meta: dict,
             model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
             scheduler: LRScheduler | None = None, engine: DeepSpeedEngine | None = None,
@@ -104,7 +120,10 @@ def restore(ckpt: Checkpointer, meta: dict,
     # get_state_dict gives a fresh optimizer its state (a zero-gradient step at lr 0) to load into
     template = training_state(0, meta, [], model, optimizer, scheduler, engine, scaler, aliases)
     notes: list[str] = []
+    found: dict = {}
+
     def check(saved: dict) -> bool:  # True: another layout saved it
+        found.update(saved["meta"])
         moved = check_compatible(saved["meta"], meta)
         notes.extend(moved)
         return bool(moved)
@@ -126,6 +145,8 @@ def restore(ckpt: Checkpointer, meta: dict,
             scheduler.load_state_dict(state["scheduler"])
         if scaler is not None:
             scaler.load_state_dict(state["scaler"])
+    if "lr" in found and "lr" in meta and found["lr"] != meta["lr"]:
+        notes.append(new_learning_rate(found["lr"], meta["lr"], optimizer, scheduler, engine))
     if state[LOCAL] is not None:
         set_rng_state(state[LOCAL]["rng"])
     notes += [f"skipped step {s}: {why}" for s, why in ckpt.last_load.skipped]

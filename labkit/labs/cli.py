@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from labkit.core.checks import positive_int
+from labkit.core.checks import output_dir, positive_int
 from labkit.core.cli import ArgumentParser
 from labkit.labs.profiles import PROFILES
 from labkit.labs.parameters import profile_world_size, resolve, train_flags
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {key: parse_value(value) for key, value in args.parameter}
     try:
         names = args.labs or list_labs()
+        output_dir("--out", args.out)
         if args.gpus is not None:
             positive_int("--gpus", args.gpus)
         for name in names:  # a bad lab, profile or value is an argument error, before any lab runs

@@ -72,3 +72,54 @@ def predict_layouts(model_cfg: GPTConfig, batch: int, steps: int) -> dict[str, A
                      "parts_ms": {k: 1e3 * v for k, v in pred.items() if k not in ("tokens_per_s_per_device", "mfu")},
                      "operators": asdict(counted_operators(rank, plan.microbatches))})
     return {"calibration": cal, "rows": rows}
+
+
+COMM = ("tensor_parallel", "fsdp", "data_parallel", "pipeline_p2p")
+
+
+def calibration_line(pred: dict[str, Any]) -> str:
+    """What the calibration measured, in one line."""
+    cal = pred["calibration"]
+    return (f"calibrated on {cal['ranks']} ranks, {cal['cores']} cores: matmul {cal['matmul_flops'] / 1e9:.0f} GFLOP/s, "
+            f"copy {cal['bytes_per_s'] / 1e9:.1f} GB/s, {cal['op_s'] * 1e6:.0f} us per operator, "
+            f"{cal['dtensor_op_s'] * 1e6:.0f} us per DTensor operator, gloo all-reduce "
+            f"{cal['all_reduce_alpha_s'] * 1e6:.0f} us + {1 / cal['busbw_gb_per_s']:.2f} ns/B")
+
+
+def table(pred: dict[str, Any]):
+    """The lab's table: measured and predicted step per layout, the error, and the predicted step's
+    shares (arithmetic, operators, communication and bubble), as a DataFrame."""
+    import pandas as pd
+
+    rows = []
+    for r in pred["rows"]:
+        parts, total = r["parts_ms"], r["predicted_ms"]
+        rows.append({"layout (CPU, gloo)": r["layout"], "ranks": r["ranks"], "measured ms": r["measured_ms"],
+                     "predicted ms": total, "error %": 100 * r["error"],
+                     "arithmetic %": 100 * parts["compute"] / total,
+                     "operators %": 100 * (parts["overhead"] + parts["optimizer"]) / total,
+                     "communication + bubble %": 100 * (sum(parts[k] for k in COMM) + parts["bubble"]) / total})
+    return pd.DataFrame(rows)
+
+
+def figure(pred: dict[str, Any]):
+    """The predicted parts of each layout's step as stacked bars, the measured step as a dot."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    parts = [("compute", "arithmetic"), ("overhead", "operators (forward, backward)"),
+             ("optimizer", "optimizer step"), ("comm", "communication"), ("bubble", "bubble")]
+    rows = pred["rows"]
+    left, y = np.zeros(len(rows)), np.arange(len(rows))[::-1]
+    for i, (key, label) in enumerate(parts):
+        vals = np.array([sum(r["parts_ms"][k] for k in COMM) if key == "comm" else r["parts_ms"][key] for r in rows])
+        ax.barh(y, vals, left=left, color=f"C{i}", label=label)
+        left += vals
+    ax.scatter([r["measured_ms"] for r in rows], y, color="k", zorder=3, label="measured")
+    ax.set_yticks(y, [r["layout"] for r in rows], fontsize=8)
+    ax.set(xlabel="ms per step (2 CPU cores, gloo; not a GPU figure)",
+           title="The step-time model on this machine: predicted parts, measured step")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return fig

@@ -23,7 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-from labkit.core.checks import positive_int
+from labkit.core.checks import output_dir, positive_int
 from labkit.core.cli import ArgumentParser
 from labkit.labs import gpu_items, gpu_items_parallel
 from labkit.labs.gpu_items import Item, Setting, has, log
@@ -196,6 +196,7 @@ def _setting(ap: ArgumentParser, args) -> tuple[Setting, list[str], list[str]]:
         for name in ("gpus", "steps"):
             if getattr(args, name) is not None:
                 positive_int(f"--{name}", getattr(args, name))
+        output_dir("--out", args.out)  # before the items run, not after
     except ValueError as e:
         ap.error(str(e))
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0

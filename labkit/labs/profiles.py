@@ -102,8 +102,10 @@ PROFILES: dict[str, dict[str, dict]] = {
                     interrupted_share=[0.05, 0.15], share_periods=["month", "day"], instances=100,
                     article_lost=17250.0, checkpoint_minutes=[10, 30, 60], write_minutes=2.0,
                     restart_minutes=10.0,
-                    # the CPU prediction: labkit.planning.cpu_model.LAYOUTS trained on this machine's CPU
-                    cpu_n_layer=4, cpu_n_head=4, cpu_n_embd=64, cpu_block_size=64, cpu_batch=16, cpu_steps=6),
+                    # the CPU prediction: labkit.labs.cpu_prediction.LAYOUTS trained on this machine's CPU
+                    # (cpu_prediction=False skips that section: the rest is arithmetic)
+                    cpu_prediction=True, cpu_n_layer=4, cpu_n_head=4, cpu_n_embd=64, cpu_block_size=64,
+                    cpu_batch=16, cpu_steps=6),
     },
     "input_pipeline": {
         # threads=1: with DataLoader workers on 2 cores, a 2-thread step fights them for the cores.

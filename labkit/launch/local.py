@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 from labkit.core import progress
 from labkit.core.checks import positive_number
-from labkit.core.devices import backend_for, check_device, rank_device, share_cores
+from labkit.core.devices import backend_for, check_device, rank_device, share_cores, torchrun_env
 
 
 class RankError(RuntimeError):
@@ -257,12 +257,11 @@ def init_from_env(device: str | None = None) -> tuple[int, int, torch.device]:
     if "RANK" not in os.environ:
         check_device(device, 1)
         return 0, 1, rank_device(device, 0)
-    world_size = int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    check_device(device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    rank, world_size, local_rank, local_world = torchrun_env()
+    check_device(device, local_world)
     dev = rank_device(device, local_rank)
     if not dist.is_initialized():
-        share_cores(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        share_cores(local_world)
         dist.init_process_group(backend_for(device), **eager_init(device, local_rank))
     return dist.get_rank(), dist.get_world_size(), dev
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -109,6 +110,16 @@ def check_slurm_options(slurm: dict, world_size: int) -> dict:
     return opts
 
 
+RESULT_GRACE_S = 15.0  # how long results may lag behind a job's end on a shared filesystem
+
+
+def _left_the_queue(job_id: str) -> bool:
+    """Whether Slurm no longer lists the job (it ended, whatever its state; ``sacct`` may be off)."""
+    out = subprocess.run(["squeue", "--noheader", "--jobs", str(job_id), "--format", "%i"], capture_output=True,
+                         text=True)
+    return out.returncode == 0 and not out.stdout.strip() or "Invalid job id" in out.stderr
+
+
 def launch_slurm(fn: Callable, *args: Any, nodes: int = 1, tasks_per_node: int = 2, device: str = "cpu",
                  partition: str | None = None, time_min: int = 30, cpus_per_task: int | None = None,
                  folder: str | os.PathLike = "_build/slurm", timeout: float | None = None,
@@ -135,7 +146,7 @@ def launch_slurm(fn: Callable, *args: Any, nodes: int = 1, tasks_per_node: int =
     ex = submitit.SlurmExecutor(folder=folder, python=sys.executable)
     params: dict[str, Any] = dict(nodes=nodes, ntasks_per_node=tasks_per_node, time=time_min,
                                   cpus_per_task=cpus_per_task or max(1, (os.cpu_count() or 2) // tasks_per_node),
-                                  setup=[f"cd {Path.cwd()}"], stderr_to_stdout=True)
+                                  setup=[f"cd {shlex.quote(str(Path.cwd()))}"], stderr_to_stdout=True)
     if partition:
         params["partition"] = partition
     if device == "cuda":
@@ -143,12 +154,17 @@ def launch_slurm(fn: Callable, *args: Any, nodes: int = 1, tasks_per_node: int =
     params.update(slurm_extra or {})
     ex.update_parameters(**params)
     job = ex.submit(_task, fn, args, kwargs, device, str(folder))
-    start, last = time.monotonic(), None
+    start, last, gone = time.monotonic(), None, None
     while not job.done():
         state = job.state
         if state != last:
             print(f"[slurm] job {job.job_id}: {state} ({nodes} node(s) x {tasks_per_node} task(s))", flush=True)
             last = state
+        if _left_the_queue(job.job_id):  # ended; its results may take a moment on a shared filesystem
+            gone = gone or time.monotonic()
+            if time.monotonic() - gone > RESULT_GRACE_S:
+                raise RuntimeError(f"Slurm job {job.job_id} ended ({state}) without a result from its tasks; "
+                                   f"its log says why: {job.paths.stdout}")
         if timeout is not None and time.monotonic() - start > timeout:
             job.cancel()
             raise TimeoutError(f"Slurm job {job.job_id} did not finish within timeout={timeout} s (last state: "

@@ -26,9 +26,7 @@ from labkit.memory.hf_config import shape_from_hf_config
 
 GB = 10**9  # the ZeRO paper's GB; GiB is 2**30
 RECOMPUTE = ("none", "selective", "full")
-# and torchtitan's selective "op" policy, which the calculator and the step model know but labkit.train
-# does not run: its AC saves the outputs of the 1st, 3rd, ... matmul of a block, attention's output
-# and log-sum-exp, and recomputes the rest (torchtitan, models/llama3/infra/parallelize.py, _save_list)
+# + torchtitan's "op" AC (not run by labkit.train): keeps the 1st, 3rd... matmul outputs and attention's
 POLICIES = RECOMPUTE + ("op",)
 STAGES = (0, 1, 2, 3)
 # Bytes per parameter of Adam training, (weights, gradients, optimizer states), by precision recipe.
@@ -94,7 +92,7 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
                                sequence_parallel: bool = False, recompute: str = "none",
                                dtype_bytes: int = 2, dropout: bool = True,
                                flash_attention: bool = False, kv_dim: int | None = None,
-                               ffn: int | None = None, swiglu: bool = False) -> int:
+                               ffn: int | None = None, swiglu: bool = False, kv_len: int | None = None) -> int:
     """Bytes one transformer layer keeps for backward (Korthikanti et al. 2022, Table 2).
 
     With the defaults (16-bit activations, dropout, attention scores stored) this is exactly the
@@ -138,7 +136,8 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     elif flash_attention:
         scores = Fraction(4 * a * s * b, t)
     else:
-        scores = Fraction((2 * d + m if dropout else d) * a * s * s * b, t)
+        keys = _count("kv_len", kv_len) if kv_len is not None else s  # CP: s/C queries against all s keys
+        scores = Fraction((2 * d + m if dropout else d) * a * s * keys * b, t)
     return math.ceil(unsplit + split + scores)
 
 
@@ -233,7 +232,8 @@ def estimate_memory(model, micro_batch: int = 1, world_size: int = 1, stage: int
     on to the logits keeps as much again). Activations are 4 bytes wide in fp32 training, 2 otherwise.
 
     Context parallelism over ``cp`` ranks gives each rank ``seq_len / cp`` tokens of every sequence,
-    so every activation term falls by ``cp`` (Liu et al. 2023); the parameters stay replicated over
+    so every activation term falls by ``cp`` (Liu et al. 2023), the attention scores too (each rank
+    keeps its ``s / cp`` queries against all ``s`` keys, not ``(s / cp)^2``); the parameters stay replicated over
     them, and ZeRO shards over all ``world_size / (tp * pp)`` ranks that hold copies. Expert
     parallelism over ``ep`` ranks divides the experts' parameters (and their gradients and optimizer
     states) by ``ep``; ZeRO then shards them over the ``world_size / (tp * pp * ep)`` ranks holding the
@@ -261,14 +261,14 @@ def estimate_memory(model, micro_batch: int = 1, world_size: int = 1, stage: int
     block = dict(kv_dim=shape.n_kv_heads * shape.d_head, ffn=shape.ffn, swiglu=shape.family != "gpt")
     per_layer = activation_bytes_per_layer(s, micro_batch, shape.hidden, shape.heads, tp,
                                            sequence_parallel, recompute, act_dtype,
-                                           dropout=dropout, flash_attention=flash_attention, **block)
+                                           dropout=dropout, flash_attention=flash_attention, kv_len=full_s, **block)
     if shape.experts_per_token > 1 and recompute != "full":
         per_layer = math.ceil(per_layer * (1 + Fraction(19 * (shape.experts_per_token - 1), 34)))
     layers = per_layer * shape.n_layer
     if recompute in ("full", "op"):  # backward re-materialises one layer at a time on top of what is kept
         layers += activation_bytes_per_layer(s, micro_batch, shape.hidden, shape.heads, tp, sequence_parallel,
                                              "none", act_dtype, dropout=dropout,
-                                             flash_attention=flash_attention, **block)
+                                             flash_attention=flash_attention, kv_len=full_s, **block)
     micro_batch = _count("micro_batch", micro_batch)
     head = 2 * act_dtype * s * micro_batch * shape.hidden + math.ceil(4 * s * micro_batch * shape.vocab / tp)
     if pp > 1:  # the per-device peak: the first stage's in-flight layers, or the last stage's head

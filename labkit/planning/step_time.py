@@ -13,7 +13,10 @@ estimate rather than by bytes alone. It is a first-order model, stated so that i
   and InfiniBand across nodes. Buckets overlap it with backward (two thirds of the compute), so only
   what backward cannot hide is exposed.
 * **Tensor parallelism**: Megatron-LM's four all-reduces of ``b x s x h`` 16-bit activations per
-  layer per micro-batch (Shoeybi et al. 2019), 2(t-1)/t of them sent per rank over NVLink, not hidden.
+  layer per micro-batch (Shoeybi et al. 2019), 2(t-1)/t of them sent per rank over NVLink, not hidden;
+  sequence parallelism replaces them by all-gathers and reduce-scatters of the same volume
+  (Korthikanti et al. 2022). Not counted here: the recomputed forward's collectives under full
+  recomputation (:mod:`labkit.planning.step_model` counts them), nor any attention FLOPs.
 * **Pipeline parallelism**: the 1F1B bubble (p-1)/(m+p-1) of the step, ``m`` the micro-batches.
 * **Optimizer offload**: 16-bit gradients to the host and parameters back, over PCIe, every step
   (Ren et al. 2021), not hidden.

@@ -16,6 +16,7 @@ import re
 from dataclasses import asdict, fields
 from pathlib import Path
 
+from labkit.core.checks import output_file
 from labkit.core.cli import ArgumentParser
 from labkit.core.model import GPTConfig
 from labkit.fault_tolerance.errors import CheckpointError
@@ -128,6 +129,9 @@ def _configs(parser: argparse.ArgumentParser, args: dict) -> tuple[TrainConfig, 
                                 ("memory_snapshot", tc.memory_snapshot and Path(tc.memory_snapshot).parent)):
             if directory is not None:
                 _writable(name, Path(directory))
+        for name, path in (("metrics", args["metrics"]), ("step_log", tc.step_log)):
+            if path is not None:
+                output_file(name, path)
     except ValueError as e:
         parser.error(as_flags(str(e)))  # exits 2 with the message, as for any other bad flag
     return tc, mc
@@ -179,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     if tc.deterministic:  # cuBLAS reads it once, when the process first uses it: before CUDA starts
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     try:
+        from labkit.core.devices import torchrun_env
+        from labkit.train.feasible import check_fits
+
+        ranks = torchrun_env() if "RANK" in os.environ else (0, 1, 0, 1)  # a bad variable: one line, below
+        check_fits(tc, mc, ranks[1], ranks[3])  # an impossible model: refused before anything starts
         if "RANK" in os.environ:
             rank, world, _ = init_from_env(tc.device)
         elif strategy(tc.strategy).needs_group:

@@ -143,6 +143,9 @@ class TrainConfig:
                                                          "(gathered on every rank); not a CLI flag"})
 
     def __post_init__(self) -> None:
+        for name in ("checkpoint_dir", "step_log", "profile_dir", "memory_snapshot"):
+            if getattr(self, name) == "":  # an unset variable in a job script: never silently nothing
+                raise ValueError(f"{name}='' is empty (an unset variable?): give a path, or leave it out")
         if self.strategy == "auto":  # degrees without a strategy: the layout they describe
             given = self.dp_replicate != 1 or any(getattr(self, d) for d in ("dp_shard", "tp", "pp", "cp", "ep"))
             self.strategy = "mesh" if given else "single"
@@ -158,6 +161,10 @@ class TrainConfig:
         if self.link_latency_ms and not self.link_gbps:
             raise ValueError(f"link_latency_ms={self.link_latency_ms:g} needs link_gbps > 0 (the emulated link)")
         non_negative_number("input_delay_ms", self.input_delay_ms)
+        if self.input_delay_ms > 3.6e6:
+            raise ValueError(f"input_delay_ms={self.input_delay_ms:g} is over an hour per batch; valid: 0 to 3.6e6")
+        if self.seed >= 2 ** 63:
+            raise ValueError(f"seed={self.seed} is too large; valid: 0 to 2**63 - 1")
         non_negative_number("grad_clip", self.grad_clip)
         one_of("pp_schedule", self.pp_schedule, PP_SCHEDULES, "pipeline schedules")
         one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES, "schedules")

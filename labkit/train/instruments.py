@@ -5,8 +5,10 @@
   caches, and steps run under the collective counter are left out). Model FLOPs per token are
   :func:`labkit.planning.cost.flops_per_token`; ``mfu`` divides the model FLOP/s each device does
   by its datasheet peak (:mod:`labkit.planning.accelerators`) for the dtype the matmuls run in, or
-  by ``peak_tflops`` when given; it stays None on a CPU without one. ``hfu`` counts the FLOPs of
-  recomputation too (Chowdhery et al. 2022, appendix B).
+  by ``peak_tflops`` when given; it stays None on a CPU without one. ``mfu`` counts the causal half
+  of the attention scores (what causal kernels compute); ``mfu_palm`` all of them, the convention
+  PaLM, Megatron-LM and torchtitan publish (about 10% higher for GPT-2 small at 1,024 tokens).
+  ``hfu`` counts the FLOPs of recomputation too (Chowdhery et al. 2022, appendix B).
 * **Memory.** On CUDA each rank reports its allocator's peak, allocated and reserved.
 * **Traces.** ``profile_steps="A:B"`` records steps A to B-1 with ``torch.profiler`` into one
   Chrome-trace JSON per rank (open it in Perfetto or chrome://tracing); ``memory_snapshot`` (CUDA)
@@ -133,15 +135,18 @@ def speed(cfg: TrainConfig, model_cfg: GPTConfig, device: torch.device, world: i
     """tokens/s, model TFLOP/s (the whole job and per device), MFU and HFU from the timed steps."""
     usable = [t for i, (t, ok) in enumerate(zip(times, timed)) if ok and i > 0] or times
     if not usable:
-        return {"tokens_per_s": None, "model_tflops_per_s": None, "mfu": None, "hfu": None, "peak_tflops": None}
+        return {"tokens_per_s": None, "model_tflops_per_s": None, "mfu": None, "mfu_palm": None, "hfu": None,
+                "peak_tflops": None}
     step_s = statistics.median(usable)
     tokens_per_s = cfg.batch_size * model_cfg.block_size / step_s
     args = (model_cfg.n_layer, model_cfg.n_embd, model_cfg.block_size, model_cfg.vocab_size)
     model_tflops = tokens_per_s * flops_per_token(*args) / 1e12
+    published_tflops = tokens_per_s * flops_per_token(*args, causal=False) / 1e12
     recompute = "full" if cfg.activation_checkpointing == "full" else "none"
     hardware_tflops = tokens_per_s * flops_per_token(*args, recompute=recompute) / 1e12
     peak = _peak_tflops(cfg, device)
     return {"tokens_per_s": tokens_per_s, "median_step_s": step_s, "model_tflops_per_s": model_tflops,
             "model_tflops_per_s_per_device": model_tflops / world, "peak_tflops": peak,
             "mfu": model_tflops / world / peak if peak else None,
+            "mfu_palm": published_tflops / world / peak if peak else None,
             "hfu": hardware_tflops / world / peak if peak else None}

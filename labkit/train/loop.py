@@ -125,6 +125,9 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     dims, device = plan.dims, plan.device
     rank, world = dims.rank, dims.world
     data = train_val_split(load_corpus(corpus)).train
+    if int(data.max()) >= model_cfg.vocab_size:  # the corpus is bytes: every one must be a token
+        raise ValueError(f"vocab_size={model_cfg.vocab_size} is too small for this corpus, whose bytes go up to "
+                         f"{int(data.max())}: valid: vocab_size >= {int(data.max()) + 1} (256 holds any bytes)")
     instruments.set_up(cfg, device)
     # Dropout's masks; a resume restores the states the checkpoint holds. Seeded by the rank's share of
     # the data, not by its rank: the ranks of a tensor-parallel group hold replicated activations and
@@ -137,7 +140,8 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     optimizer = plan.make_optimizer()
     plan.attach(optimizer, lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, cfg.steps), plan.make_scaler())
     meta = {"strategy": cfg.strategy, "world_size": world, "seed": cfg.seed, "batch_size": cfg.batch_size,
-            "model": model_cfg.to_dict(), "reshardable": plan.spec.reshardable, "layout": dims.degrees.label()}
+            "model": model_cfg.to_dict(), "reshardable": plan.spec.reshardable, "layout": dims.degrees.label(),
+            "precision": cfg.precision, "lr_schedule": cfg.lr_schedule, "lr": cfg.lr}
     engine = plan.engine
     ft = Resumable(cfg, meta, None if engine else plan.module, None if engine else plan.optimizer,
                    None if engine else plan.scheduler, engine, plan.scaler, plan.placed.state_aliases)

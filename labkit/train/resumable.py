@@ -110,9 +110,16 @@ class Resumable:
         return True
 
     def abort(self) -> None:
-        """The loop failed: give the signals back at once (no saving, no waiting for a save in flight)."""
+        """The loop failed: give the signals back at once (no saving, no waiting for a save in flight), and
+        the checkpoint directory's lock when no save is in flight (a notebook keeps the failed call's
+        frames, and with them the Checkpointer: the next run in the same kernel would find it locked)."""
         if self.handler is not None:
             self.handler.uninstall()
+        if self.ckpt is not None and self.ckpt.pending is None:
+            try:
+                self.ckpt.close()
+            except Exception:  # the loop's own error is the one to report
+                pass
 
     def finish(self) -> dict:
         """Wait for the last save, restore the signal handlers; what the result reports."""
