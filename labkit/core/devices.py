@@ -111,13 +111,14 @@ def _env_int(name: str, default: int | None = None, low: int = 0) -> int:
 
 
 def torchrun_env() -> tuple[int, int, int, int]:
-    """``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` as torchrun sets them, checked: a
-    ValueError naming the variable (a rank outside the world would wait for ever for its peers)."""
+    """``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (0 when unset) as torchrun sets
+    them, checked: a ValueError naming the variable (a rank outside the world would wait for ever)."""
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE", low=1)
     if rank >= world:
         raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world}: ranks are 0..{world - 1}")
-    local_world = _env_int("LOCAL_WORLD_SIZE", 1, low=1)
     local_rank = _env_int("LOCAL_RANK", 0)
-    if local_rank >= local_world:
+    # DeepSpeed's launcher sets no LOCAL_WORLD_SIZE: then this node's ranks are unknown, the world at most
+    local_world = _env_int("LOCAL_WORLD_SIZE", 0, low=1) if "LOCAL_WORLD_SIZE" in os.environ else 0
+    if local_world and local_rank >= local_world:
         raise ValueError(f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world}")
     return rank, world, local_rank, local_world

@@ -258,10 +258,10 @@ def init_from_env(device: str | None = None) -> tuple[int, int, torch.device]:
         check_device(device, 1)
         return 0, 1, rank_device(device, 0)
     rank, world_size, local_rank, local_world = torchrun_env()
-    check_device(device, local_world)
+    check_device(device, local_world or 1)
     dev = rank_device(device, local_rank)
     if not dist.is_initialized():
-        share_cores(local_world)
+        share_cores(local_world or world_size)
         dist.init_process_group(backend_for(device), **eager_init(device, local_rank))
     return dist.get_rank(), dist.get_world_size(), dev
 

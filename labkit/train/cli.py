@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         from labkit.train.feasible import check_fits
 
         ranks = torchrun_env() if "RANK" in os.environ else (0, 1, 0, 1)  # a bad variable: one line, below
-        check_fits(tc, mc, ranks[1], ranks[3])  # an impossible model: refused before anything starts
+        check_fits(tc, mc, ranks[1], ranks[3] or ranks[1])  # an impossible model: refused before it starts
         if "RANK" in os.environ:
             rank, world, _ = init_from_env(tc.device)
         elif strategy(tc.strategy).needs_group:
