@@ -85,7 +85,7 @@ def output_file(name: str, path: Any) -> Path:
     except OSError as e:
         raise ValueError(f"{name}={str(path)!r} cannot be written ({e.strerror or e}); pass another file path") from None
     if not existed:
-        path.unlink()
+        path.unlink(missing_ok=True)  # another rank may have probed the same name at the same time
     return path
 
 
