@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -90,7 +91,9 @@ def output_file(name: str, path: Any) -> Path:
 
 
 def output_dir(name: str, path: Any) -> Path:
-    """``path`` as a Path, made if missing, or a ValueError naming ``name`` unless files can be created in it."""
+    """``path`` as a Path, made if missing, or a ValueError naming ``name`` unless this process can
+    create a file in it. The probe is a real file (``mkstemp``, a unique name: ranks in different
+    containers share PIDs), not ``os.access``, which says yes to root on a read-only mount."""
     if path is None or str(path) == "":
         raise ValueError(f"{name}={str(path or '')!r} is empty (an unset variable?): give a folder")
     path = Path(path)
@@ -98,8 +101,10 @@ def output_dir(name: str, path: Any) -> Path:
         raise ValueError(f"{name}={str(path)!r} is a file, not a folder: pass a folder for the outputs")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise PermissionError(f"no write permission on {path}")
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
-        raise ValueError(f"{name}={str(path)!r} is not a writable folder ({e.strerror or e})") from None
+        raise ValueError(f"{name}={str(path)!r} is not a writable directory ({e.strerror or e}); pass a path where "
+                         "this process may create files") from None
     return path

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from labkit.core.checks import non_negative_int, one_of, positive_int
+from labkit.core.checks import non_negative_int, one_of, output_dir, positive_int
 from labkit.core.devices import side_group
 from labkit.fault_tolerance import directory as ckdir
 from labkit.fault_tolerance import loading
@@ -68,7 +68,7 @@ class Checkpointer(Closing):
         self.dir, self.keep_last, self.async_save, self.hash = Path(directory), keep_last, async_save, hash
         self.readonly, self.lock, want_lock = readonly, None, lock_wanted()
         if not readonly:
-            ckdir.check_writable(self.dir, "directory")
+            output_dir("directory", self.dir)
         elif not self.dir.is_dir():
             raise ValueError(f"directory={str(directory)!r} is not a directory to read checkpoints from")
         self.dist = dist.is_available() and dist.is_initialized()

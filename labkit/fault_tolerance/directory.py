@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import stat
-import tempfile
 import time
 import zlib
 from pathlib import Path
@@ -40,19 +39,6 @@ LEFTOVER = re.compile(r"\.(tmp|old|trash)-(step_[0-9]{8,})", re.ASCII)
 
 def step_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def check_writable(directory: Path, name: str) -> None:
-    """A ValueError naming ``name`` unless this process may create files in ``directory`` (made if
-    missing). The probe's name is unique (``mkstemp``): ranks in different containers share PIDs."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=directory)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise ValueError(f"{name}={str(directory)!r} is not a writable directory ({e}); pass a path where this "
-                         "process may create files") from None
 
 
 def _step_of(name: str) -> int | None:

@@ -16,7 +16,7 @@ import re
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from labkit.core.checks import output_file
+from labkit.core.checks import output_dir, output_file
 from labkit.core.cli import ArgumentParser
 from labkit.core.model import GPTConfig
 from labkit.fault_tolerance.errors import CheckpointError
@@ -127,8 +127,8 @@ def _configs(parser: argparse.ArgumentParser, args: dict) -> tuple[TrainConfig, 
                                  Path(tc.step_log).parent), ("metrics", args["metrics"] and Path(args["metrics"]).parent),
                                 ("profile_dir", tc.profile_steps and tc.profile_dir),
                                 ("memory_snapshot", tc.memory_snapshot and Path(tc.memory_snapshot).parent)):
-            if directory is not None:
-                _writable(name, Path(directory))
+            if directory:  # unset (None, or the empty setting the flags' own checks refuse)
+                output_dir(name, directory)
         for name, path in (("metrics", args["metrics"]), ("step_log", tc.step_log)):
             if path is not None:
                 output_file(name, path)
@@ -142,17 +142,6 @@ def configs_from(argv: list[str]) -> tuple[TrainConfig, GPTConfig]:
     was printed (a bad flag: argparse's error, exit status 2, as on the command line)."""
     parser = build_parser()
     return _configs(parser, vars(parser.parse_args(argv)))
-
-
-def _writable(name: str, directory: Path) -> None:
-    """A ValueError naming the flag unless this process may create files in ``directory`` (made if missing)."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        if not os.access(directory, os.W_OK | os.X_OK):
-            raise PermissionError(f"no write permission on {directory}")
-    except OSError as e:
-        raise ValueError(f"{name}={str(directory)!r} is not a writable directory ({e.strerror or e}); pass a path "
-                         "where this process may create files") from None
 
 
 def as_flags(message: str) -> str:
