@@ -77,9 +77,12 @@ book: labs
 	@echo "or run 'make serve' and visit http://127.0.0.1:8000 (search needs a served copy)."
 
 # Two workers, one test file each at a time (tests/conftest.py says why); TEST_WORKERS=0 runs in one.
+# Every test's duration goes to $(BUILD)/test-durations.xml (JUnit XML), the slowest are printed
+# (pyproject.toml) and tests/conftest.py keeps a timeline per worker: the suite has a 20-minute budget.
 TEST_WORKERS ?= 2
 test: $(STAMP) $(LAB_SETTINGS)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+	  --junitxml=$(BUILD)/test-durations.xml
 
 serve:
 	$(PY) -m http.server 8000 --bind 127.0.0.1 --directory $(BUILD)/html

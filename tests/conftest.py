@@ -20,10 +20,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 @pytest.fixture(scope="session")
 def lab_metrics() -> dict:
-    """Execute every lab through papermill with the CI profile (skipped when nothing changed)."""
-    from labkit.labs import OUT_DIR, list_labs, run_lab
+    """Execute every lab through papermill with the CI profile (skipped when nothing changed), two at
+    a time: a lab's ranks keep about one core busy, and the other pytest worker leaves gaps."""
+    from labkit.labs import OUT_DIR, list_labs
+    from labkit.labs.runner import run_labs
 
-    return {name: json.loads(run_lab(name, "ci", OUT_DIR).read_text()) for name in list_labs()}
+    names = list_labs()
+    return {name: json.loads(path.read_text()) for name, path in zip(names, run_labs(names, "ci", OUT_DIR, jobs=2))}
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +77,23 @@ def pytest_xdist_make_scheduler(config, log):
             return _unit(nodeid)
 
     return ByUnit(config, log)
+
+
+# Where the suite's time goes, worker by worker: `make test` keeps each test phase's start, end and
+# worker in _build/test-timeline.tsv (durations alone cannot show a worker left idle at the end).
+TIMELINE = ROOT / "_build" / "test-timeline.tsv"
+
+
+def pytest_sessionstart(session):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        TIMELINE.parent.mkdir(exist_ok=True)
+        TIMELINE.write_text("worker\tstart\tstop\tphase\ttest\n")
+
+
+def pytest_runtest_logreport(report):
+    node = getattr(report, "node", None)  # set on the controller for a report from an xdist worker
+    if os.environ.get("PYTEST_XDIST_WORKER") or not hasattr(report, "start"):
+        return
+    worker = node.gateway.id if node is not None else "main"
+    with TIMELINE.open("a") as f:
+        f.write(f"{worker}\t{report.start:.1f}\t{report.stop:.1f}\t{report.when}\t{report.nodeid}\n")

@@ -10,7 +10,7 @@ from labkit.core.checks import output_dir, positive_int
 from labkit.core.cli import ArgumentParser
 from labkit.labs.profiles import PROFILES
 from labkit.labs.parameters import profile_world_size, resolve, train_flags
-from labkit.labs.runner import OUT_DIR, check_lab, list_labs, run_lab
+from labkit.labs.runner import OUT_DIR, check_lab, list_labs, run_labs
 
 
 def parse_value(text: str) -> Any:
@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", type=Path, default=OUT_DIR)
     r.add_argument("--force", action="store_true", help="re-run even when nothing changed")
     r.add_argument("--gpus", type=int, default=None, help="GPUs to fit a gpu profile to (default: those found)")
+    r.add_argument("--jobs", type=int, default=1, help="labs run side by side, each in its own process "
+                   "(CPU profiles; their timings then share the cores)")
     r.add_argument("--as-script", action="store_true", help="run the lab's cells in order without Jupyter "
                    "(for machines without papermill or a kernel); writes the metrics JSON only")
     r.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
@@ -102,15 +104,17 @@ def main(argv: list[str] | None = None) -> int:
         output_dir("--out", args.out)
         if args.gpus is not None:
             positive_int("--gpus", args.gpus)
+        positive_int("--jobs", args.jobs)
+        if args.jobs > 1 and args.profile == "gpu":
+            raise ValueError(f"--jobs {args.jobs}: the gpu profile runs one lab at a time (each lab uses every GPU)")
         for name in names:  # a bad lab, profile or value is an argument error, before any lab runs
             check_lab(name, args.profile, gpus=args.gpus, overrides=overrides)
             check_gpus_here(name, args.profile, args.gpus, overrides)
     except ValueError as e:
         ap.error(str(e))
     try:
-        for name in names:
-            run_lab(name, args.profile, args.out, args.force, gpus=args.gpus, as_script=args.as_script,
-                    overrides=overrides or None)
+        run_labs(names, args.profile, args.out, args.jobs, args.force, overrides=overrides or None,
+                 as_script=args.as_script, gpus=args.gpus)
     except RuntimeError as e:  # a lab failed, or needs a missing package: not the caller's argument
         print(f"error: {e}", file=sys.stderr)
         return 1
