@@ -23,7 +23,7 @@ BUILD := _build
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(BUILD)/torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help venv labs lab book test serve lab-ui assignments gpu-check clean
+.PHONY: help venv labs lab book test serve lab-ui assignments gpu-check clean compare baseline
 
 help:
 	@echo "make book              set up .venv, execute every lab (PROFILE=$(PROFILE)), build the HTML book"
@@ -32,6 +32,8 @@ help:
 	@echo "make lab-ui            open the labs in JupyterLab (LAB_UI_OPTS=\"--no-browser --port N\" passes options)"
 	@echo "make assignments       nbgrader student notebooks of the labs' exercises in course/release/"
 	@echo "make serve             serve the built book on http://127.0.0.1:8000"
+	@echo "make compare           every lab's ci profile against the committed baseline labs/baseline/ci (exit 1: regressed)"
+	@echo "make baseline          rerun every lab's ci profile and make it the baseline (review, then commit)"
 	@echo "make gpu-check         on a GPU node: every strategy, precision, MFU and lab; report in $(BUILD)/gpu_check/"
 
 # Installs only when requirements.txt or pyproject.toml changed. torch goes first and DeepSpeed is
@@ -69,6 +71,17 @@ labs: $(STAMP)
 lab: $(STAMP)
 	@test -n "$(LAB)" || { echo "usage: make lab LAB=<name> PROFILE=<cpu|ci|gpu>; labs: $$($(PY) -m labkit list)"; exit 2; }
 	$(PY) -m labkit run $(LAB) --profile $(PROFILE) --out $(BUILD)/runs/$(PROFILE) --force
+
+# Regression runs (labkit.labs.compare): every lab's ci profile, held against the committed baseline
+# (exit 1 when something regressed; the report is book/labs/compare.md). `make baseline` makes such
+# a run the baseline: a deliberate change, reviewed as `git diff labs/baseline` before it is committed.
+compare: $(STAMP)
+	$(PY) -m labkit run --profile ci --jobs 2
+	$(PY) -m labkit compare book/labs
+
+baseline: $(STAMP)
+	$(PY) -m labkit run --profile ci --jobs 2 --force
+	$(PY) -m labkit baseline book/labs
 
 book: labs
 	$(BIN)jupyter-book build . --builder html -W --keep-going

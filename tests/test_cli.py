@@ -62,6 +62,20 @@ def test_every_train_flag_with_a_bad_value_is_one_line_and_exit_2(capsys, name):
     assert "Traceback" not in err
 
 
+# Values a person types by accident: a superscript digit (str.isdigit says yes, int() says no), an
+# empty file where a corpus should be.
+@pytest.mark.parametrize("flag, value, words", [
+    ("--activation-checkpointing", "every:²", "must be a positive integer"),
+    ("--corpus", "EMPTY", "holds 0 bytes; it needs at least 2 (an empty file?)"),
+])
+def test_values_typed_by_accident_are_named(capsys, tmp_path, flag, value, words):
+    if value == "EMPTY":
+        (tmp_path / "empty.txt").touch()
+        value = str(tmp_path / "empty.txt")
+    err = _one_line_error(capsys, train_main, ["--steps", "1", flag, value])
+    assert flag in err and words in err, err
+
+
 def test_every_train_flag_has_help_in_a_group():
     p = build_parser()
     titles = {g.title for g in p._action_groups}

@@ -50,6 +50,9 @@ RULES: list[tuple[str, str]] = [
     (r"torchrun --[a-z-]+(=\S+)?$", "torchrun-flag"),
     (r"python -m labkit run \S+ --profile gpu", "gpu"),
     (r"python -m labkit\.gpu_check --gpus", "gpu"),
+    (r"make (compare|baseline)$", "dry"),
+    (r"python -m labkit compare book/labs$", "elsewhere: test_labs holds every CI run's labs against the baseline"),
+    (r"python -m labkit compare .*SITE_BASELINE", "help"),
     (r"python -m labkit(\.\w+)?$", "help"),  # the entry point named in prose
     (r"python -m labkit\.train (?!--help$|--list-strategies$)", "help"),  # its flags named in prose
     (r"python -m labkit\.labs\.assignments", "help"),
@@ -141,8 +144,8 @@ def _help(module: str) -> str:
 @pytest.mark.parametrize("command", _of("help"))
 def test_templates_name_an_entry_point_and_flags_that_exist(command):
     words = shlex.split(command.replace("...", " ").replace("{", " ").replace("}", " ").replace("]", " "))
-    module = words[2]
-    text = _help(module)
+    module = words[2]  # `python -m labkit run ...`: the subcommand's own --help names its flags
+    text = _help(f"{module} {words[3]}" if module == "labkit" and len(words) > 3 and words[3].isalpha() else module)
     flags = {w.split("=")[0] for w in words if w.startswith("--")}
     absent = [f for f in flags if f not in text]
     assert not absent, f"{command}: {module} --help does not name {absent}"

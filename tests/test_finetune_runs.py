@@ -8,7 +8,7 @@ import torch
 
 from labkit.core.data import load_corpus, train_val_split
 from labkit.core.model import GPTConfig, build_model
-from labkit.core.text import PACKAGE_DIR, generate, source_corpus
+from labkit.core.text import SOURCE_DIR, generate, source_corpus
 from labkit.memory.finetune_runs import calculator_check, frozen_snapshot, frozen_unchanged, run_methods
 from labkit.memory.finetune_probe import prepare
 from labkit.planning.finetune_choice import Assumptions, three_ways
@@ -18,11 +18,11 @@ logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 CFG = GPTConfig()
 
 
-def test_source_corpus_is_labkits_python_and_samples_are_seeded(tmp_path):
+def test_source_corpus_is_torchs_nn_modules_and_samples_are_seeded(tmp_path):
     code = source_corpus()
     text = bytes(code.tolist()).decode()
-    assert code.dtype == torch.uint8 and "def source_corpus(" in text and "import torch" in text
-    assert len(code) > 100_000 and PACKAGE_DIR.name == "labkit"
+    assert code.dtype == torch.uint8 and "class Linear(Module):" in text and "import torch" in text
+    assert len(code) > 100_000 and SOURCE_DIR.parts[-2:] == ("nn", "modules")
     with pytest.raises(ValueError, match="holds no file matching"):
         source_corpus(tmp_path)
     model = build_model(CFG, seed=0)

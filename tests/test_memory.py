@@ -1,10 +1,10 @@
-"""The calculator against the published tables and against measurement."""
+"""The calculator against the published tables and against measurement. (FSDP on eight fake ranks
+at a 7B shape against the calculator is the memory lab's, held in tests/test_labs.py.)"""
 import pytest
 import torch
 
 from labkit import memory as mem
-from labkit.memory.probe import (activation_bytes_per_layer_measured, fake_fsdp_memory,
-                                 model_states_after_one_step, saved_activation_bytes)
+from labkit.memory.probe import activation_bytes_per_layer_measured, model_states_after_one_step, saved_activation_bytes
 from labkit.core.model import GPT, GPTConfig, build_model
 
 
@@ -76,15 +76,6 @@ def test_saved_activations_free_after_backward_and_exclude_parameters():
     param_bytes = sum(p.numel() * 4 for p in model.parameters())
     assert 0 < saved["total"] < 10 * param_bytes
     assert "addmm" in saved and "native_layer_norm" in saved
-
-
-def test_fake_7b_fsdp_matches_the_calculator():
-    cfg = GPTConfig(vocab_size=50304, block_size=2048, n_layer=32, n_head=32, n_embd=4096)
-    fake = fake_fsdp_memory(cfg, world_size=8)
-    est = mem.estimate_memory(mem.ModelShape.from_gpt_config(cfg), 1, 8, 3, "fp32", dropout=False)
-    assert fake["n_params"] > 6.5e9
-    assert abs((fake["params"] + fake["grads"] + fake["optimizer"]) / (est.params + est.grads + est.optimizer) - 1) < 0.01
-    assert abs(fake["activations"] / (est.activations + est.head) - 1) < 0.01
 
 
 def test_whole_model_estimate_says_whether_it_fits():

@@ -26,10 +26,10 @@ def load_corpus(path: str | Path | None = None) -> torch.Tensor:
             f"corpus={str(p)!r} is not a file; pass the path of a text file, or leave corpus=None "
             f"for the shipped corpus at {CORPUS}"
         )
-    data = torch.frombuffer(bytearray(p.read_bytes()), dtype=torch.uint8)
-    if data.numel() < 2:
-        raise ValueError(f"corpus={str(p)!r} holds {data.numel()} bytes; it needs at least 2")
-    return data
+    raw = p.read_bytes()
+    if len(raw) < 2:  # before frombuffer, whose own words for an empty file name no file
+        raise ValueError(f"corpus={str(p)!r} holds {len(raw)} bytes; it needs at least 2 (an empty file?)")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
 @dataclass(frozen=True)

@@ -90,9 +90,15 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
     return out
 
 
+THREADS_ENV = "LABKIT_THREADS"  # the ci profile sets 1: its sums then add in the same order on any host
+
+
 def share_cores(local_ranks: int) -> None:
-    """N ranks on one host, each defaulting to every core, oversubscribe the CPU badly."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+    """N ranks on one host, each defaulting to every core, oversubscribe the CPU badly: each gets its
+    share, or ``$LABKIT_THREADS`` threads where that is set."""
+    fixed = os.environ.get(THREADS_ENV, "")
+    torch.set_num_threads(int(fixed) if fixed.isascii() and fixed.isdigit() and int(fixed) > 0
+                          else max(1, (os.cpu_count() or 1) // local_ranks))
 
 
 def _env_int(name: str, default: int | None = None, low: int = 0) -> int:

@@ -1,8 +1,10 @@
 """Text in and out of the byte-level GPT: a second corpus in another style, and samples.
 
-* :func:`source_corpus`: labkit's own Python source, read from the installed package, as one byte
-  tensor. Nothing to download, and a style (indentation, ``def``, ``self.``, docstrings) a model
-  pretrained on Shakespeare has never seen: the fine-tuning lab's task.
+* :func:`source_corpus`: the Python source of PyTorch's ``torch.nn.modules`` (``Linear``, ``Conv2d``,
+  ``Transformer``...), read from the installed torch, as one byte tensor. Nothing to download, a
+  style (indentation, ``def``, ``self.``, docstrings) a model pretrained on Shakespeare has never
+  seen: the fine-tuning lab's task. Fixed for a pinned torch, so the lab's losses are held exactly
+  against the regression baseline (labkit's own source, the earlier corpus, changed with every commit).
 * :func:`generate`: sample a continuation of a prompt from the GPT (or a model wrapping it, as
   ``peft``'s do), one byte at a time, with a seeded generator so that a page of the book always
   shows the same sample.
@@ -16,13 +18,13 @@ import torch.nn as nn
 
 from labkit.core.checks import positive_int, positive_number
 
-PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the installed labkit
+SOURCE_DIR = Path(torch.nn.modules.__file__).resolve().parent  # the installed torch's nn modules
 
 
 def source_corpus(root: str | Path | None = None, pattern: str = "*.py") -> torch.Tensor:
-    """Every file matching ``pattern`` under ``root`` (default: the labkit package), in path order,
+    """Every file matching ``pattern`` under ``root`` (default: torch's ``nn/modules``), in path order,
     joined by blank lines, as a 1-D ``uint8`` tensor of bytes."""
-    base = Path(root) if root is not None else PACKAGE_DIR
+    base = Path(root) if root is not None else SOURCE_DIR
     files = sorted(p for p in base.rglob(pattern) if p.is_file() and "__pycache__" not in p.parts)
     if not files:
         raise ValueError(f"root={str(base)!r} holds no file matching {pattern!r}")

@@ -102,7 +102,7 @@ def merge(a: Any, b: Any) -> Any:
 
 def merged_skeleton(path: Path) -> dict:
     """The plain values of every rank's file of the checkpoint at ``path``, merged (:func:`merge`)."""
-    files = sorted(path.glob("rank*.pt"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else -1)
+    files = sorted(path.glob("rank*.pt"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isascii() and p.stem[4:].isdigit() else -1)
     out = None
     for f in files:
         skel = torch.load(f, weights_only=True)["skeleton"]

@@ -1,4 +1,5 @@
-"""``python -m labkit``: run labs with papermill, list them, print their profiles or their training flags."""
+"""``python -m labkit``: run labs with papermill, list them, print their profiles or their training flags,
+compare their metrics with a baseline."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ from typing import Any
 
 from labkit.core.checks import output_dir, positive_int
 from labkit.core.cli import ArgumentParser
+from labkit.labs.compare import BASELINE_DIR
 from labkit.labs.profiles import PROFILES
 from labkit.labs.parameters import profile_world_size, resolve, train_flags
 from labkit.labs.runner import OUT_DIR, check_lab, list_labs, run_labs
@@ -35,7 +37,29 @@ def check_gpus_here(lab: str, profile: str, gpus: int | None, overrides: dict) -
                          f"print the plan without running it: python -m labkit resolve {lab} {profile} --gpus {gpus}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _compare_or_baseline(ap: ArgumentParser, args: Any) -> int:
+    from labkit.labs import compare as cmp
+
+    try:
+        if args.cmd == "baseline":
+            to = args.to or cmp.BASELINE_DIR / args.profile
+            written = cmp.make_baseline(args.run, args.profile, to)
+            print(f"baseline: {len(written)} labs' metrics from {args.run} -> {to} (review the diff, then commit)")
+            return 0
+        if args.timings is not None and not args.timings >= 0:
+            raise ValueError(f"--timings {args.timings}: give a relative tolerance >= 0, such as 0.1")
+        base, run = cmp.load_metrics(args.baseline), cmp.load_metrics(args.run)
+        report_dir = output_dir("--report", args.report or args.run)
+    except ValueError as e:
+        ap.error(str(e))
+    result = cmp.compare(base, run, args.timings)
+    print("\n".join(cmp.summary(result, args.verbose)))
+    md = cmp.write_report(result, args.baseline, args.run, report_dir)
+    print(f"{'REGRESSED' if result.regressed else 'no regression'}; report: {md}")
+    return 1 if result.regressed else 0
+
+
+def _parser() -> ArgumentParser:
     ap = ArgumentParser(prog="python -m labkit", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="execute labs with papermill")
@@ -64,7 +88,28 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("profile")
     f.add_argument("--world-size", type=int, default=None, help="ranks in all, for per-rank batch sizes "
                    "(default: the profile's own, where it names one; a gpu profile's is every GPU: give it)")
+    c = sub.add_parser("compare", help="hold a run's lab metrics against a baseline: what changed, exit 1 "
+                       "when something regressed (labkit.labs.compare)")
+    c.add_argument("run", type=Path, help="a folder of <lab>.metrics.json: book/labs, a gpu-check's labs/")
+    c.add_argument("--baseline", type=Path, default=BASELINE_DIR / "ci",
+                   help="the folder to hold it against (default: the committed ci baseline)")
+    c.add_argument("--timings", type=float, default=None, metavar="REL",
+                   help="hold timings to this relative tolerance too (a quiet GPU node; default: report them)")
+    c.add_argument("--report", type=Path, default=None,
+                   help="where compare.md and its plots go (default: the run folder)")
+    c.add_argument("--verbose", action="store_true", help="a line for every timing that moved too")
+    b = sub.add_parser("baseline", help="make a run's lab metrics the committed baseline (a reviewed change)")
+    b.add_argument("run", type=Path, nargs="?", default=OUT_DIR, help=f"the run folder (default: {OUT_DIR})")
+    b.add_argument("--profile", default="ci", help="the profile every lab in it ran (default: ci)")
+    b.add_argument("--to", type=Path, default=None, help="the baseline folder (default: labs/baseline/PROFILE)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
+    if args.cmd in ("compare", "baseline"):
+        return _compare_or_baseline(ap, args)
     if args.cmd == "flags":
         try:
             world = args.world_size if args.world_size is not None else profile_world_size(args.lab, args.profile)

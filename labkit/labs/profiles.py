@@ -179,7 +179,7 @@ PROFILES["long_context_experts"] = {
                 act_rows=1, cp_degrees=[1, 2, 4], experts=8, moe_steps=200,
                 capacity_factors=[0.5, 0.75, 1.0, 1.25, 1.5, 2.0]),
 }
-# Fine-tuning: a GPT pretrained in the lab, then full, LoRA and QLoRA on labkit's own source; the batch.
+# Fine-tuning: a GPT pretrained in the lab, then full, LoRA and QLoRA on torch.nn's source; the batch.
 # micro_batch x accum rows per pretraining step: the two batch sizes of the noise scale; ft_*: fine-tuning.
 # LoRA's adapters take a higher learning rate than full fine-tuning's weights (here 5x, from a sweep).
 _FT = dict(seed=0, micro_batch=4, accum=4, ft_batch=16, calc_rank=16, scenario_model="llama2-70b",

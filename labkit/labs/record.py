@@ -71,10 +71,28 @@ def recorded() -> dict[str, Any]:
     return {name: plain for name, plain in ((n, _plain(v)) for n, v in GLUED.items()) if plain is not _SKIP}
 
 
+def environment() -> dict[str, Any]:
+    """What a regression run compares besides the numbers (:mod:`labkit.labs.compare`): versions, and
+    what makes the same program's floats differ in their last bits (instruction set, threads)."""
+    import platform
+    import sys
+
+    import torch
+
+    env = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+    if "deepspeed" in sys.modules:
+        env["deepspeed"] = sys.modules["deepspeed"].__version__
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
 def write_metrics(path: str | Path, **fields: Any) -> Path:
     """Write the lab's metrics JSON: ``fields`` (profile, parameters, per-run figures...) and, under
     ``"recorded"``, every value the lab recorded for the text."""
     path = Path(path)
+    fields.setdefault("environment", environment())
     path.write_text(json.dumps({**fields, "recorded": recorded()}, indent=1, default=str))
     print(f"wrote {path}")
     return path

@@ -59,7 +59,7 @@ def _execute_notebook(name: str, src: Path, out_nb: Path, parameters: dict) -> N
 
     try:
         # The kernel inherits this environment: an executed notebook (a page of the book) keeps no bars.
-        with patch.dict(os.environ, {progress.ENV: "0"}):
+        with patch.dict(os.environ, {progress.ENV: "0", **pinned_threads(parameters["PROFILE"])}):
             pm.execute_notebook(
                 jupytext.read(src), str(out_nb), kernel_name=_kernel_name(), cwd=str(out_nb.parent),
                 parameters=parameters, progress_bar=sys.stdout.isatty(), log_output=False,
@@ -70,6 +70,15 @@ def _execute_notebook(name: str, src: Path, out_nb: Path, parameters: dict) -> N
             f"lab {name!r} failed in cell {e.exec_count} ({e.ename}: {e.evalue}); "
             f"the partly executed notebook is at {out_nb}"
         ) from None
+
+
+def pinned_threads(profile: str) -> dict[str, str]:
+    """The environment a lab runs in under ``profile``: the ``ci`` profile, the regression runs'
+    (:mod:`labkit.labs.compare`), gives the kernel and every rank one thread, so that its losses
+    add up in the same order on any host and can be held exactly against the baseline."""
+    from labkit.core.devices import THREADS_ENV
+
+    return {"OMP_NUM_THREADS": "1", THREADS_ENV: "1"} if profile == "ci" else {}
 
 
 def _kernel_name() -> str:
@@ -107,9 +116,17 @@ def run_lab(name: str, profile: str, out_dir: Path = OUT_DIR, force: bool = Fals
     print(f"[labs] {name}: executing{how} with PROFILE={profile!r} ...", flush=True)
     t0 = time.perf_counter()
     if as_script:
+        import torch
+
         from labkit.labs.script import run_script
 
-        run_script(src, out_dir, parameters, quiet)
+        threads = torch.get_num_threads()
+        with patch.dict(os.environ, pinned_threads(profile)):  # as in a kernel: this process is the kernel
+            torch.set_num_threads(1 if pinned_threads(profile) else threads)
+            try:
+                run_script(src, out_dir, parameters, quiet)
+            finally:
+                torch.set_num_threads(threads)
     else:
         _execute_notebook(name, src, out_nb, parameters)
     if not metrics.exists():

@@ -49,7 +49,7 @@ def parse_policy(policy: str) -> tuple[str, int]:
     """``"every:3"`` -> ``("every", 3)``; clear errors for anything else."""
     if isinstance(policy, str) and policy.startswith("every:"):
         k = policy.split(":", 1)[1]
-        if not k.isdigit() or int(k) < 1:
+        if not (k.isascii() and k.isdigit()) or int(k) < 1:  # '²'.isdigit() is True; int('²') fails
             raise ValueError(f"policy={policy!r}: k in 'every:k' must be a positive integer, e.g. 'every:2'")
         return "every", int(k)
     if policy == "selective:alternate":
