@@ -25,7 +25,9 @@ LOSS_TOL = 1e-5
 # wrong pipeline (a stage without gradients, an unsynced tied copy) is off by ~lr per step.
 PARAM_TOL = 3e-4
 VARIANTS = {"torch_gpipe": ("pp", "gpipe"), "torch_1f1b": ("pp", "1f1b"), "scratch_gpipe": ("pp_scratch", "gpipe"),
-            "scratch_1f1b": ("pp_scratch", "1f1b"), "torch_interleaved": ("pp", "interleaved")}
+            "scratch_1f1b": ("pp_scratch", "1f1b"), "torch_interleaved": ("pp", "interleaved"),
+            # the zero-bubble schedules torch ships: B and W split, interleaved and V-shaped placements
+            "torch_zb": ("pp", "zb"), "torch_zbv": ("pp", "zbv"), "torch_dualpipev": ("pp", "dualpipev")}
 # What the one loop gives every strategy, on pipelines too: a warmed-up cosine schedule, clipping that
 # bites, recomputation, bf16 autocast; each against one process doing the same.
 EXTRAS = {"cosine_clip_full": dict(lr_schedule="cosine", warmup_steps=2, grad_clip=0.05,
@@ -173,8 +175,10 @@ def test_bad_pipeline_shapes_are_clear_errors():
         check_pp(4, 4, 2, "1f1b")
     with pytest.raises(ValueError, match=r"'interleaved' needs 4 stages"):
         check_pp(2, 3, 4, "interleaved")
-    with pytest.raises(ValueError, match=r"pp_schedule='zb' is unknown; valid pipeline schedules"):
-        check_pp(2, 4, 4, "zb")
+    with pytest.raises(ValueError, match=r"pp_schedule='zb1' is unknown; valid pipeline schedules"):
+        check_pp(2, 4, 4, "zb1")
+    with pytest.raises(ValueError, match=r"pp_schedule='zbv' needs torch pipelining"):
+        check_pp(2, 4, 4, "zbv", impl="scratch")
     with pytest.raises(ValueError, match=r"microbatches=3 must divide batch_size=8"):
         check_pp(2, 4, 3, "gpipe", batch_size=8)
     with pytest.raises(ValueError, match="grad_accum=2 is not used with strategy='pp_scratch': its microbatches"):
@@ -213,7 +217,7 @@ def test_train_dispatches_tp_and_pp_with_the_same_result_keys():
     # one stage: nothing to wait for (the formula's (p-1)/(m+p-1) = 0; measured, only Python's gaps)
     assert r["pp"] == 1 and r["bubble_formula"] == 0.0 and 0 <= r["bubble_fraction"] < 0.05
     with pytest.raises(ValueError, match=r"pp_schedule='x' is unknown; valid pipeline schedules: "
-                                         r"\['gpipe', '1f1b', 'interleaved'\]"):
+                                         r"\['gpipe', '1f1b', 'interleaved', 'zb', 'zbv', 'dualpipev'\]"):
         TrainConfig(strategy="pp", pp_schedule="x")
     with pytest.raises(ValueError, match=r"strategy='pp' needs a process group"):
         train(TrainConfig(strategy="pp", steps=1), model)

@@ -16,6 +16,8 @@ def test_recorded_values_reach_the_metrics_file_as_json_holds_them(tmp_path, mon
     rec.record("table", [object()])
     path = rec.write_metrics(tmp_path / "lab.metrics.json", profile="ci", params={"steps": 2})
     m = json.loads(path.read_text())
+    env = m.pop("environment")  # what the run ran on, for a regression run's report (labkit.labs.compare)
+    assert {"torch", "python", "cpu_capability", "threads", "machine"} <= set(env) and env["threads"] >= 1
     assert m == {"profile": "ci", "params": {"steps": 2},
                  "recorded": {"speedup": 1.5, "ranks": [2, 3], "nothing": None, "by_rank": {"0": 1.0, "1": [2, 3]}}}
     assert set(rec.GLUED) == {"speedup", "ranks", "nothing", "by_rank", "figure", "table"}

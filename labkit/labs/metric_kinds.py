@@ -49,7 +49,7 @@ ANY_LAB: list[tuple[str, Kind]] = [(p, TIMING) for p in (
     "*_ms", "*_ms_*", "*_us", "*_s", "*_s_*", "*seconds*", "*_per_s", "*_per_s_*", "*per_s", "*gbps*",
     "*gb_per_s*", "*tflops*", "mfu*", "best_mfu", "hfu", "*time*", "*wall*", "*busy*", "*wait*", "*speedup*",
     "*_fraction", "*latency*", "iters", "pid", "diagnosis", "classification", "verdict*", "*bandwidth*",
-    "elapsed*", "process_max_rss", "overlap*", "*_vs_*")]
+    "elapsed*", "process_max_rss", "overlap*", "*_vs_*", "*step_ratio*")]
 
 # Where a lab is mostly timings, what it holds exactly is listed and the rest is a timing ("*" last).
 _FAULT_TOLERANCE_EXACT = ("profile", "params/*", "bit_exact", "max_param_diff", "loss_*", "final_step",

@@ -57,7 +57,7 @@ def _execute_notebook(name: str, src: Path, out_nb: Path, parameters: dict) -> N
     import jupytext
     import papermill as pm
 
-    try:
+    def execute() -> None:
         # The kernel inherits this environment: an executed notebook (a page of the book) keeps no bars.
         with patch.dict(os.environ, {progress.ENV: "0", **pinned_threads(parameters["PROFILE"])}):
             pm.execute_notebook(
@@ -65,6 +65,17 @@ def _execute_notebook(name: str, src: Path, out_nb: Path, parameters: dict) -> N
                 parameters=parameters, progress_bar=sys.stdout.isatty(), log_output=False,
                 request_save_on_cell_execute=False,
             )
+
+    try:
+        try:
+            execute()
+        except RuntimeError as e:
+            # The kernel binds ports its client picked moments before; on a busy machine another
+            # process may take one in between, and the kernel dies at start: once more.
+            if "Kernel died before replying to kernel_info" not in str(e):
+                raise
+            print(f"[labs] {name}: the kernel died at start ({e}); starting it again", flush=True)
+            execute()
     except pm.PapermillExecutionError as e:
         raise RuntimeError(
             f"lab {name!r} failed in cell {e.exec_count} ({e.ename}: {e.evalue}); "

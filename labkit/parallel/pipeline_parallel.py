@@ -9,7 +9,8 @@ Interleaving ``v`` chunks of layers per rank divides the bubble by ``v`` (same p
 
 * The production path: ``torch.distributed.pipelining`` (PyTorch docs, "Pipeline Parallelism"):
   a :class:`TimedStage` (a ``PipelineStage`` that records when it computes) per stage and
-  ``ScheduleGPipe``, ``Schedule1F1B`` or ``ScheduleInterleaved1F1B``.
+  ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` or a zero-bubble schedule
+  (``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``).
 * For teaching, :func:`scratch_step`: the same two schedules with paired sends and receives of
   activations forward and of their gradients backward, held against the production path.
 
@@ -28,9 +29,24 @@ from labkit.core.checks import one_of, positive_int
 from labkit.core.model import GPT, GPTConfig
 from labkit.parallel.pipeline_timeline import Timeline
 
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev")
 IMPLS = ("torch", "scratch")
-VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2}  # layer chunks per rank
+VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb": 2, "zbv": 2, "dualpipev": 2}  # layer chunks per rank
+# Zero-bubble schedules split a backward into its input gradient (B, on the critical path) and its
+# weight gradient (W, deferred into what would be bubble): Qi et al. 2023, "Zero Bubble Pipeline
+# Parallelism" (ZB-H1 interleaved; ZB-V), and DeepSeek-V3's DualPipe in its V-shaped form. The
+# V-shaped ones place rank r's two chunks at stages r and 2 pp - 1 - r, so that the first and last
+# stages share rank 0.
+V_SHAPED = ("zbv", "dualpipev")
+ZERO_BUBBLE = ("zb", "zbv", "dualpipev")
+
+
+def stage_indices(rank: int, pp: int, schedule: str) -> list[int]:
+    """The pipeline stages rank ``rank`` of ``pp`` holds under ``schedule``: one, two interleaved
+    (r and r + pp), or two in a V (r and 2 pp - 1 - r)."""
+    if schedule in V_SHAPED:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + k * pp for k in range(VIRTUAL[schedule])]
 
 
 def check_pp(pp: int, n_layer: int, microbatches: int, schedule: str, batch_size: int | None = None,
@@ -38,8 +54,8 @@ def check_pp(pp: int, n_layer: int, microbatches: int, schedule: str, batch_size
     """Clear errors for a pipeline that cannot be built; call before any communication."""
     one_of("pp_schedule", schedule, PP_SCHEDULES, "pipeline schedules")
     one_of("impl", impl, IMPLS, "implementations")
-    if impl == "scratch" and schedule == "interleaved":
-        raise ValueError("pp_schedule='interleaved' needs torch pipelining (strategy 'pp'); the hand-written "
+    if impl == "scratch" and schedule not in ("gpipe", "1f1b"):
+        raise ValueError(f"pp_schedule={schedule!r} needs torch pipelining (strategy 'pp'); the hand-written "
                          "pipeline (strategy 'pp_scratch') has 'gpipe' and '1f1b'")
     positive_int("pp", pp)
     positive_int("microbatches", microbatches)
@@ -51,10 +67,10 @@ def check_pp(pp: int, n_layer: int, microbatches: int, schedule: str, batch_size
         raise ValueError(f"pp_schedule={schedule!r} needs microbatches >= pp: microbatches={microbatches} < "
                          f"pp={pp} leaves a stage with nothing to alternate; use microbatches >= {pp} or 'gpipe'")
     rounds = max(1, microbatches // pp)
-    if schedule == "interleaved" and microbatches % rounds:
+    if schedule in ("interleaved", "zb") and microbatches % rounds:
         # torch's ScheduleInterleaved1F1B runs the microbatches in rounds of about pp each
         valid = [m for m in range(pp, 4 * pp + 1) if m % max(1, m // pp) == 0]
-        raise ValueError(f"pp_schedule='interleaved' needs microbatches divisible by its {rounds} rounds "
+        raise ValueError(f"pp_schedule={schedule!r} needs microbatches divisible by its {rounds} rounds "
                          f"(microbatches // pp); microbatches={microbatches} with pp={pp} is not; valid "
                          f"microbatches up to {4 * pp}: {valid}")
     if batch_size is not None and batch_size % microbatches:
@@ -181,6 +197,10 @@ def _timed_stage_class():
             with self.timeline.record("B", bwd_chunk_id):
                 return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
+        def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):  # zero-bubble schedules' W
+            with self.timeline.record("W", bwd_chunk_id):
+                return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
     return TimedStage
 
 
@@ -258,5 +278,6 @@ def build_schedule(stages: list[GPTStage], n_stages: int, device: torch.device, 
 
     timed = [TimedStage(m, m.index, n_stages, device, group=group, timeline=timeline, **kwargs(m)) for m in stages]
     cls = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
-           "interleaved": pipelining.ScheduleInterleaved1F1B}[schedule]
+           "interleaved": pipelining.ScheduleInterleaved1F1B, "zb": pipelining.ScheduleInterleavedZeroBubble,
+           "zbv": pipelining.ScheduleZBVZeroBubble, "dualpipev": pipelining.ScheduleDualPipeV}[schedule]
     return cls(timed if len(timed) > 1 else timed[0], microbatches, loss_fn=loss_fn)

@@ -69,7 +69,12 @@ class Placed:
             # Like Megatron-LM's embedding group: the first and last stage each hold the matrix and
             # get the sum of both gradients, so the copies stay equal.
             g = self.tied.grad
-            dist.all_reduce(g.to_local() if hasattr(g, "to_local") else g, group=self.dims.pp_ends_group)
+            last = self.pipeline.last
+            if self.pipeline.first is not None and last is not None:  # both copies here (a V): add them
+                g.add_(last.head.weight.grad)
+                last.head.weight.grad.copy_(g)
+            else:
+                dist.all_reduce(g.to_local() if hasattr(g, "to_local") else g, group=self.dims.pp_ends_group)
 
     def norm_groups(self, p: torch.Tensor) -> tuple:
         """The groups ``p``'s gradient is split over, each element counted once in the global norm:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from labkit.core.model import GPTConfig
 from labkit.parallel.mesh import Degrees
-from labkit.parallel.pipeline_parallel import VIRTUAL, stage_bounds
+from labkit.parallel.pipeline_parallel import VIRTUAL, stage_bounds, stage_indices
 
 
 def layer_params(cfg: GPTConfig, tp: int = 1, ep: int = 1) -> tuple[int, int]:
@@ -32,11 +32,9 @@ def params_on_rank(cfg: GPTConfig, d: Degrees, pp_rank: int = 0, schedule: str |
     dense, experts = layer_params(cfg, d.tp, d.ep)
     if schedule is None:
         return cfg.n_layer * dense + embeddings + final_norm, cfg.n_layer * experts
-    virtual = VIRTUAL[schedule]
-    n_stages = d.pp * virtual
+    n_stages = d.pp * VIRTUAL[schedule]
     held = [0, 0]
-    for k in range(virtual):
-        index = pp_rank + k * d.pp
+    for index in stage_indices(pp_rank, d.pp, schedule):
         lo, hi = stage_bounds(cfg.n_layer, n_stages)[index]
         held[0] += (hi - lo) * dense + (embeddings if index == 0 else 0)
         held[0] += (final_norm + (V * C if n_stages > 1 else 0)) if index == n_stages - 1 else 0

@@ -67,13 +67,15 @@ def _pipeline_fields(plan: Plan, ranks: list[dict]) -> dict[str, Any]:
         del r["events"]
     virtual = pipe.VIRTUAL[cfg.pp_schedule]
     n_stages = d.pp * virtual
-    stage_params = [sum(pipe.stage_params(plan.model_cfg, n_stages, r + k * d.pp) for k in range(virtual))
+    stage_params = [sum(pipe.stage_params(plan.model_cfg, n_stages, i) for i in pipe.stage_indices(r, d.pp,
+                                                                                                 cfg.pp_schedule))
                     for r in range(d.pp)]
     return {"pp": d.pp, "microbatches": cfg.microbatches, "pp_schedule": cfg.pp_schedule,
             "impl": plan.spec.pp_impl or "torch", "virtual_stages": virtual,
             "stage_layers": pipe.stage_bounds(plan.model_cfg.n_layer, n_stages),
             "bubble_fraction": statistics.median(per_step[1:] or per_step) if per_step else None,
-            "bubble_fraction_per_step": per_step, "bubble_formula": bubble_formula(d.pp, cfg.microbatches, virtual),
+            "bubble_fraction_per_step": per_step, "bubble_formula": (None if cfg.pp_schedule in pipe.ZERO_BUBBLE  # no closed form: measured
+                                                      else bubble_formula(d.pp, cfg.microbatches, virtual)),
             "timeline": [e.__dict__ for e in steps_events[-1]] if steps_events else [],
             "predicted_params_per_rank": stage_params}
 

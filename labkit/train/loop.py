@@ -32,6 +32,7 @@ from labkit.fault_tolerance.rng import seed_rngs
 from labkit.parallel.checks import check_layout
 from labkit.parallel.clipping import clip_grad_norm_
 from labkit.parallel.mesh import Degrees, ParallelDims
+from labkit.parallel.pipeline_parallel import V_SHAPED
 from labkit.train import instruments
 from labkit.train.config import TrainConfig, degrees_for
 from labkit.train.deepspeed_plan import DeepSpeedPlan
@@ -113,8 +114,9 @@ def global_loss(plan: Plan, local: torch.Tensor) -> torch.Tensor:
     if dims.tokens_group is not None:
         dist.all_reduce(loss, group=dims.tokens_group)
         loss /= dims.degrees.tokens
-    if dims.degrees.pp > 1:
-        dist.broadcast(loss, src=dims.pp_peer(dims.degrees.pp - 1), group=dims.group("pp"))
+    if dims.degrees.pp > 1:  # the last stage's rank: the last, or in a V-shaped schedule the first
+        last = 0 if plan.cfg.pp_schedule in V_SHAPED else dims.degrees.pp - 1
+        dist.broadcast(loss, src=dims.pp_peer(last), group=dims.group("pp"))
     return loss
 
 
