@@ -19,7 +19,7 @@ BAD = {"strategy": "nosuch", "device": "tpu", "bucket_cap_mb": "0", "reshard_aft
        "cpu_offload": "=1", "fsdp_bf16": "=yes", "offload_optimizer": "=1", "tp": "-1", "sequence_parallel": "=1",
        "pp": "x", "microbatches": "0", "pp_schedule": "zb", "steps": "0", "batch_size": "-8", "grad_accum": "0",
        "lr": "-1", "weight_decay": "-0.1", "grad_clip": "nan", "lr_schedule": "linear", "warmup_steps": "-2",
-       "seed": "-1", "precision": "fp8", "activation_checkpointing": "every:0", "checkpoint_dir": "/proc/nosuch",
+       "seed": "-1", "precision": "fp4", "activation_checkpointing": "every:0", "checkpoint_dir": "/proc/nosuch",
        "save_every": "-5", "keep_last": "0", "async_save": "=1", "resume": "=0", "grace_s": "-30",
        "reserve_s": "-1", "step_log": "/proc/nosuch/log.jsonl", "progress": "=1", "vocab_size": "0",
        "block_size": "0", "n_layer": "-1", "n_head": "3", "n_embd": "0", "dropout": "1.5", "bias": "=0",

@@ -81,6 +81,11 @@ LABS: dict[str, list[tuple[str, Kind]]] = {
     "pipeline_parallel": [(p, TIMING) for p in _PIPELINE_TIMING],
     "composing": [("bubble/measured", TIMING), ("recorded/cmp_bubble", TIMING)],
     "strategy_cost": [("cpu_prediction/*", TIMING), ("recorded/sc_cpu_*", TIMING)],
+    # what one device achieves against its roofline (the FLOPs, bytes and bounds are exact)
+    "inside_device": [(p, TIMING) for p in ("ops/*/of_roofline", "ops/*/achieved_flops", "ops/*/bound",
+                                            "recorded/dev_n_memory_bound", "recorded/dev_gflops",
+                                            "recorded/dev_gbps", "recorded/dev_ridge", "recorded/dev_*_of_roof",
+                                            "recorded/dev_time_memory_share", "recorded/dev_fusion_speedup")],
     "packing": [("training/*/loss", EXACT), ("training/*/padding", EXACT), ("training/*/real_tokens", EXACT),
                 ("training/*/slots", EXACT), ("training/*", TIMING), ("bench/*/seconds", TIMING),
                 ("pack/seconds", TIMING), ("speedup_real_tokens", TIMING), ("recorded/pk_bench_*_x", TIMING),

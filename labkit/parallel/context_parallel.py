@@ -3,11 +3,8 @@
 Each of C ranks holds a slice of the sequence's queries, keys and values. The K/V blocks travel
 round the ring (rank r sends to r+1, receives from r-1) for C-1 steps while every rank attends its
 own queries to the block it holds and folds the partial result into a running output with the
-online-softmax merge: keep each query row's log-sum-exp ``lse`` of the scores seen so far; a new
-block with its own output ``o_b`` and ``lse_b`` gives ``lse' = logaddexp(lse, lse_b)`` and
-``o' = o exp(lse - lse') + o_b exp(lse_b - lse')`` (Milakov & Gimelshein 2018, "Online normalizer
-calculation for softmax", arXiv:1805.02867; the log-sum-exp form of Dao et al. 2022, FlashAttention,
-arXiv:2205.14135). No rank ever holds the full T x T scores or the full K/V: the activation memory of
+online-softmax merge of :mod:`labkit.parallel.online_softmax` (FlashAttention's, with the blocks
+on other ranks). No rank ever holds the full T x T scores or the full K/V: the activation memory of
 attention falls as 1/C (Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers for
 Near-Infinite Context", arXiv:2310.01889).
 
@@ -32,6 +29,7 @@ from torch import Tensor
 
 from labkit.comm.p2p import exchange
 from labkit.parallel.cp_layout import LAYOUTS, cp_positions, visible_block
+from labkit.parallel.online_softmax import block_backward, block_forward, merge
 
 
 def _ring(group: dist.ProcessGroup | None) -> tuple[int, int, int, int]:
@@ -50,26 +48,6 @@ def _pass_on(tensors: list[Tensor], group: dist.ProcessGroup | None, stats: dict
     if stats is not None:
         stats[key] = stats.get(key, 0) + sum(t.numel() * t.element_size() for t in tensors)
     return got
-
-
-def _scores(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    s = (q @ k.transpose(-2, -1)) * scale
-    return s if mask is None else s.masked_fill(~mask, float("-inf"))
-
-
-def _block_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
-    """One block's attention output and per-row log-sum-exp (every row sees at least one key)."""
-    s = _scores(q, k, mask, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.exp(s - lse[..., None]) @ v, lse
-
-
-def _block_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
-                    mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """dQ, dK, dV of one block, from the *final* lse and delta = rowsum(dO * O) (FlashAttention-2)."""
-    p = torch.exp(_scores(q, k, mask, scale) - lse[..., None])  # the block's true probabilities
-    ds = p * (do @ v.transpose(-2, -1) - delta[..., None])
-    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, p.transpose(-2, -1) @ do
 
 
 def _count(stats: dict | None, rows: Tensor, cols: Tensor, mask: Tensor | None) -> None:
@@ -99,12 +77,10 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | No
         blk = visible_block(q_pos, cp_positions(L * C, C, (rank - step) % C, layout), causal)
         if blk is not None:
             rows, cols, mask, kb, vb = _on_device(blk, kv, q.device)
-            o_b, lse_b = _block_forward(qf.index_select(2, rows), kb, vb, mask, scale)
-            old_o, old_lse = out.index_select(2, rows), lse.index_select(2, rows)
-            new = torch.logaddexp(old_lse, lse_b)
-            out.index_copy_(2, rows, old_o * torch.exp(old_lse - new)[..., None]
-                            + o_b * torch.exp(lse_b - new)[..., None])
-            lse.index_copy_(2, rows, new)
+            o_b, lse_b = block_forward(qf.index_select(2, rows), kb, vb, mask, scale)
+            o_new, lse_new = merge(out.index_select(2, rows), lse.index_select(2, rows), o_b, lse_b)
+            out.index_copy_(2, rows, o_new)
+            lse.index_copy_(2, rows, lse_new)
             _count(stats, *blk)
         if step < C - 1:
             (kv,) = _pass_on([kv], group, stats, "forward_bytes")
@@ -126,8 +102,8 @@ def _ring_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, do
         blk = visible_block(q_pos, cp_positions(L * C, C, (rank - step) % C, layout), causal)
         if blk is not None:
             rows, cols, mask, kb, vb = _on_device(blk, kv, q.device)
-            dq_b, dk_b, dv_b = _block_backward(qf.index_select(2, rows), kb, vb, do.index_select(2, rows),
-                                               lse.index_select(2, rows), delta.index_select(2, rows), mask, scale)
+            dq_b, dk_b, dv_b = block_backward(qf.index_select(2, rows), kb, vb, do.index_select(2, rows),
+                                              lse.index_select(2, rows), delta.index_select(2, rows), mask, scale)
             dq.index_add_(2, rows, dq_b)
             dkv[0].index_add_(2, cols, dk_b)
             dkv[1].index_add_(2, cols, dv_b)

@@ -36,29 +36,11 @@ import torch.distributed as dist
 from labkit.comm.alpha_beta import fit
 from labkit.comm.bench import bench
 from labkit.comm.counter import CommCounter
+from labkit.device.measure import measure_rates
 from labkit.planning.hardware import Hardware, Link
 from labkit.planning.step_model import Operators
 
 GLOO_SIZES = [1 << k for k in range(10, 23, 2)]  # 1 KiB to 4 MiB
-
-
-def _best(fn, repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def measure_rates() -> dict[str, float]:
-    """This process's fp32 matmul FLOP/s and copy bandwidth (bytes/s), on the threads it has."""
-    flops = 0.0
-    for n in (256, 512, 1024):
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        flops = max(flops, 2 * n ** 3 / _best(lambda: a @ b))
-    src, dst = torch.randn(16 << 20), torch.empty(16 << 20)
-    return {"matmul_flops": flops, "bytes_per_s": 2 * src.numel() * 4 / _best(lambda: dst.copy_(src))}
 
 
 def operator_seconds(steps: int = 30) -> float:

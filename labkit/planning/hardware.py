@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from labkit.core.checks import one_of
+from labkit.device.roofline import Roof
 
 NCCL_BASE_LATENCY_S = 8.4e-6  # src/graph/tuning.cc: baseLat, Ring and Tree, Simple protocol
 
@@ -67,6 +68,14 @@ class Hardware:
     @property
     def bytes_per_s(self) -> float:
         return self.hbm_gb_per_s * 1e9 * self.hbm_efficiency
+
+    def roof(self, achieved: bool = True) -> Roof:
+        """The roofline the step model prices ops with: achieved GEMM rate and streaming bandwidth, or
+        (``achieved=False``) the datasheet's peaks."""
+        if achieved:
+            return Roof(f"{self.name}, achieved", self.matmul_flops, self.bytes_per_s,
+                        f"{self.matmul_efficiency:.0%} of peak FLOP/s, {self.hbm_efficiency:.0%} of peak bandwidth")
+        return Roof(self.name, self.peak_tflops * 1e12, self.hbm_gb_per_s * 1e9, self.source)
 
 
 _NVLINK3 = Link("NVLink 3 (A100 node)", 3.4e-6, 230.0, "nccl-tests all_reduce on 8 A100 SXM4: busbw 230-250 GB/s; "

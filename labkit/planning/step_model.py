@@ -35,12 +35,14 @@ gradients then all-reduced across replicas. Expert parallelism (Lepikhin et al. 
 
 Then the pipeline: ``(m + p - 1)`` micro-batch times for GPipe and 1F1B, ``m + (p - 1)/v`` for the
 interleaved schedule with ``v`` chunks per rank (Narayanan et al. 2021, section 2.2), and the
-optimizer step: AdamW reads and writes 30 bytes per parameter it owns.
+optimizer step: AdamW reads and writes 30 bytes per parameter it owns
+(:func:`labkit.device.roofline.optimizer_op`). Every op is priced by :class:`labkit.device.roofline.Roof`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from labkit.device.roofline import matmul, optimizer_op
 from labkit.memory.architecture import ModelShape, linear_layers
 from labkit.planning import collectives as C
 from labkit.planning.hardware import Hardware
@@ -102,9 +104,7 @@ NO_OPERATORS = Operators()
 
 
 def _gemm(hw: Hardware, tokens: float, k: float, n: float, value_bytes: int = 2) -> float:
-    flops = 2 * tokens * k * n
-    nbytes = value_bytes * (tokens * k + k * n + tokens * n)
-    return max(flops / hw.matmul_flops, nbytes / hw.bytes_per_s)
+    return hw.roof().time(matmul("gemm", tokens, k, n, value_bytes))
 
 
 def elementwise_bytes(shape: ModelShape, fused: bool = True) -> float:
@@ -220,7 +220,7 @@ def step_time(shape: ModelShape, plan: Plan, hw: Hardware, causal: bool = True,
     elif plan.replicas > 1:  # HSDP: the reduce-scattered shards all-reduced across the replicas
         grads = max(0.0, C.all_reduce(hw, replicate, 4 * params / shard.n) - hide)
     owned = params / (plan.dp * plan.cp // plan.replicas) if plan.zero >= 1 else params
-    optimizer = 30 * owned / hw.bytes_per_s + ops.seconds(hw, "step")
+    optimizer = hw.roof().time(optimizer_op(owned)) + ops.seconds(hw, "step")
     total = pipeline + grads + optimizer
     return {"compute": m * compute, "overhead": m * overhead, "tensor_parallel": m * tp, "context_parallel": m * cp,
             "expert_parallel": m * ep, "pipeline_p2p": m * p2p, "fsdp": m * fsdp, "bubble": bubble,

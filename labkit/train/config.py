@@ -28,7 +28,7 @@ from labkit.train.strategies import DIMS, OPTIONS, WHY, Strategy, strategy, take
 
 # How the loop computes (Micikevicius et al. 2018): fp32 throughout; bf16 or fp16 autocast with fp32
 # weights and optimizer states (fp16 with dynamic loss scaling, torch's GradScaler).
-TRAIN_PRECISIONS = ("fp32", "bf16", "fp16")
+TRAIN_PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-block")
 GROUPS = ("strategy", "data and optimisation", "precision and memory", "checkpointing and preemption", "output")
 
 
@@ -102,7 +102,9 @@ class TrainConfig:
                                "step: a data loader that cannot keep up, emulated")
     seed: int = _f(0, "data and optimisation", "seeds the weights, the data order and every rank's RNGs")
     precision: str = _f("fp32", "precision and memory", "fp32; bf16 or fp16 autocast with fp32 weights "
-                        "(fp16 adds loss scaling)", TRAIN_PRECISIONS)
+                        "(fp16 adds loss scaling); fp8 or fp8-block: every linear's matmuls on FP8 operands, "
+                        "emulated in fp32 (per-tensor scales, or DeepSeek-V3's tiles; labkit.device.fp8)",
+                        TRAIN_PRECISIONS)
     activation_checkpointing: str = _f("none", "precision and memory", "recompute in backward: none, full, "
                                        "every:k (every k-th block), selective (op level: keep every matmul's output) or "
                                        "selective:alternate (keep every second one, as torchtitan)")

@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from labkit.core.model import GPTConfig
     from labkit.train.config import TrainConfig
 
-MATMUL_DTYPE = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}  # what the matmuls run in, by precision
+# what the matmuls run in, by precision (FP8 is emulated: its matmuls run in fp32)
+MATMUL_DTYPE = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "fp32", "fp8-block": "fp32"}
 
 
 def set_up(cfg: TrainConfig, device: torch.device) -> None:

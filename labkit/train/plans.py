@@ -72,6 +72,10 @@ class Plan:
                        rows=cfg.batch_size // self.dims.data_world, precision=cfg.precision,
                        reshard_after_forward=cfg.reshard_after_forward, cpu_offload=cfg.cpu_offload,
                        fsdp_bf16=cfg.fsdp_bf16, bucket_cap_mb=cfg.bucket_cap_mb, ddp_hook=hook)
+        if cfg.precision.startswith("fp8"):  # before any wrapper: DDP and FSDP2 see the FP8 linears
+            from labkit.device.fp8 import to_fp8
+
+            to_fp8(model, "block" if cfg.precision == "fp8-block" else "tensor")
         self.placed = parallelize(model, self.dims, opts, self.device)
 
     @property

@@ -15,6 +15,8 @@ from labkit.core.checks import one_of
 from labkit.parallel.mesh import DIMS
 
 ALL_PRECISIONS = ("fp32", "bf16", "fp16")
+# FP8 emulated (labkit.device.fp8): where the linears are plain modules or FSDP2 gathers them whole
+WITH_FP8 = (*ALL_PRECISIONS, "fp8", "fp8-block")
 
 
 @dataclass(frozen=True)
@@ -55,16 +57,17 @@ _DS = "the same run on DeepSpeed (deepspeed.initialize with the client AdamW)"
 _MESH_DEGREES = tuple((d, d) for d in DIMS)
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("single", "one process, no wrapper: the reference every parallel run is held against",
-             "nothing", 0, 0.0, moe=True, one_process=True),
+             "nothing", 0, 0.0, moe=True, one_process=True, precisions=WITH_FP8),
     Strategy("ddp", "torch DistributedDataParallel: bucketed all-reduce of gradients under backward",
-             "nothing (the batch)", 0, 2.0, dp_impl="ddp",
+             "nothing (the batch)", 0, 2.0, dp_impl="ddp", precisions=WITH_FP8,
              options=("bucket_cap_mb", _SYNC, "link_gbps", "link_latency_ms")),
     Strategy("dp_naive", "data parallel by hand: one all-reduce per gradient after backward",
              "nothing (the batch)", 0, 2.0, dp_impl="naive", options=(_SYNC,), teaching=True),
     Strategy("dp_bucketed", "data parallel by hand: DDP's buckets, launched as soon as they are full",
              "nothing (the batch)", 0, 2.0, dp_impl="bucketed", options=("bucket_cap_mb", _SYNC), teaching=True),
     Strategy("fsdp", "FSDP2 fully_shard per block, then the root: ZeRO-3 in PyTorch",
-             "parameters, gradients, optimizer states", 3, 3.0, rest="dp_shard", options=_FSDP, needs_group=True),
+             "parameters, gradients, optimizer states", 3, 3.0, rest="dp_shard", options=_FSDP, needs_group=True,
+             precisions=WITH_FP8),
     # Per step: 3 Psi (S-1)/S inside each shard group of S = world/replicas ranks, plus an all-reduce
     # of each rank's Psi/S gradient shard across the replicas (labkit.parallel.fsdp.hsdp_formula).
     Strategy("hsdp", "hybrid sharding, FSDP2 on a 2-D mesh: shard within a group (a node), replicate across",

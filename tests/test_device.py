@@ -1,0 +1,180 @@
+"""Inside one device: the roofline the planner prices ops with, FlashAttention from tiles against
+PyTorch's, FP8 emulated against torch._scaled_mm and trained with, fusion's byte counts, the MFU split."""
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from labkit.core.model import GPTConfig
+from labkit.device import fp8, fusion
+from labkit.device.flash_attention import attention_memory, flash_attention, naive_attention
+from labkit.device.roofline import Roof, block_ops, elementwise, matmul, optimizer_op
+from labkit.launch import launch
+from labkit.memory.architecture import ModelShape
+from labkit.planning.hardware import hardware
+from labkit.planning.mfu_breakdown import PARTS, breakdown, examples
+from labkit.planning.step_model import Plan, predict
+from labkit.train import TrainConfig, train
+
+LLAMA7 = ModelShape.from_dims("llama", 4096, 32, 32, 32000, 4096)
+
+
+def test_a_matmul_is_counted_and_bounded_by_the_roof_it_is_under():
+    op = matmul("mm", 1024, 4096, 4096, value_bytes=2)
+    assert op.flops == 2 * 1024 * 4096 * 4096 and op.bytes == 2 * (1024 * 4096 + 4096 * 4096 + 1024 * 4096)
+    roof = Roof("toy", 100e12, 1e12)
+    assert roof.ridge == 100 and roof.bound(op) == "compute" and roof.time(op) == op.flops / 100e12
+    small = matmul("gemv", 1, 4096, 4096)
+    assert roof.bound(small) == "memory" and roof.time(small) == small.bytes / 1e12
+    assert roof.attainable(1.0) == 1e12 and roof.attainable(1e6) == 100e12
+    assert elementwise("add", 2, 1, 1).intensity < 1
+
+
+def test_block_ops_cover_each_projection_and_every_element_wise_op():
+    names = [op.name for op in block_ops(LLAMA7, 1)]
+    assert names == ["norm 1", "q", "k", "v", "attention", "o", "residual 1", "norm 2", "gate", "up", "SwiGLU",
+                     "down", "residual 2"]
+    gpt = ModelShape.from_dims("gpt", 768, 12, 12, 50257, 1024)
+    unfused = [op.name for op in block_ops(gpt, 2, flash=False)]
+    assert unfused[1:5] == ["qkv", "scores QK^T", "softmax", "probs @ V"] and "GELU" in unfused
+    causal = next(o for o in block_ops(gpt, 2) if o.name == "attention")
+    full = next(o for o in block_ops(gpt, 2, causal=False) if o.name == "attention")
+    assert causal.flops * 2 == full.flops == 4 * 2 * 12 * 1024 ** 2 * 64
+    # the block's matmul FLOPs are 2 per parameter per token (the 6N rule's forward third)
+    mm = sum(o.flops for o in block_ops(LLAMA7, 1) if o.kind == "matmul")
+    assert mm == 2 * 4096 * (4 * 4096 ** 2 + 3 * 4096 * LLAMA7.ffn)
+
+
+def test_the_planner_prices_its_optimizer_step_with_the_roofline():
+    hw = hardware("h100-80gb")
+    plan = Plan(dp=8, micro_batch=1, global_batch=8, zero=0)
+    params = LLAMA7.n_params
+    assert predict(LLAMA7, plan, hw)["optimizer"] == hw.roof().time(optimizer_op(params))
+    assert hw.roof(achieved=False).flops_per_s == 989e12 and hw.roof().flops_per_s == 989e12 * 0.8
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seq, block", [(128, 32), (100, 32), (64, 64), (50, 16)])
+def test_flash_attention_equals_sdpa_forward_and_backward(causal, seq, block):
+    g = torch.Generator().manual_seed(seq + block)
+    q, k, v = (torch.randn(2, 3, seq, 16, generator=g, requires_grad=True) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    grad = torch.randn(ref.shape, generator=g)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    stats: dict = {}
+    out = flash_attention(q, k, v, causal, block, stats)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    assert (out - ref).abs().max() < 1e-5  # fp32: the tiles sum in another order
+    assert all((a - b).abs().max() < 1e-5 for a, b in zip(got, want))
+    n = math.ceil(seq / block)
+    assert stats["tiles"] == (n * (n + 1) // 2 if causal else n * n)  # causal: future tiles skipped
+
+
+def test_flash_attention_keeps_no_s_by_s_tensor_and_recomputes_the_scores():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v = (torch.randn(1, 2, 256, 16) for _ in range(3))
+    naive = attention_memory(naive_attention, q, k, v)
+    flash = attention_memory(lambda a, b, c: flash_attention(a, b, c, True, 64), q, k, v)
+    sdpa = attention_memory(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), q, k, v)
+    assert flash["saved_bytes"] == sdpa["saved_bytes"] < naive["saved_bytes"] / 8
+    assert naive["largest_tensor_bytes"] == 2 * 256 * 256 * 4 and flash["largest_tensor_bytes"] < 2 * 256 * 64 * 4 + 1
+    ratios = []
+    for fn in (lambda a, b, c: naive_attention(a, b, c, False), lambda a, b, c: flash_attention(a, b, c, False)):
+        a, b, c = (t.clone().requires_grad_() for t in (q, k, v))
+        with FlopCounterMode(display=False) as fwd:
+            out = fn(a, b, c)
+        with FlopCounterMode(display=False) as bwd:
+            out.sum().backward()
+        ratios.append(bwd.get_total_flops() / fwd.get_total_flops())
+    assert ratios == [2.0, 2.5]
+
+
+def test_flash_attention_names_bad_inputs():
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="share one shape"):
+        flash_attention(q, torch.randn(1, 2, 9, 4), q)
+    with pytest.raises(ValueError, match="block must be a positive int"):
+        flash_attention(q, q, q, block=0)
+
+
+def test_fp8_emulation_equals_torchs_fp8_gemm():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 256, generator=g), torch.randn(128, 256, generator=g) * 0.02
+    emulated = fp8.fake_quantize(x) @ fp8.fake_quantize(w).t()
+    assert torch.equal(fp8.scaled_mm(x, w), emulated)
+    assert (emulated - x @ w.t()).abs().max() < 0.1 * (x @ w.t()).abs().max()
+
+
+def test_fp8_scales_per_tensor_row_and_tile():
+    x = torch.randn(256, 512, generator=torch.Generator().manual_seed(0)) * 0.01
+    x[:, 7] *= 10_000  # an outlier channel the format's range cannot span with one scale
+    q, scale = fp8.quantize(x, "e4m3", (1, 128))
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (256, 4)
+    assert fp8.quantize(x, "e5m2", (0, 0))[1].shape == (1, 1) and fp8.quantize(x, "e4m3", (1, 0))[1].shape == (256, 1)
+    rest = torch.arange(512) != 7
+    errs = [((fp8.fake_quantize(x, "e4m3", t) - x)[:, rest].norm() / x[:, rest].norm()).item()
+            for t in ((0, 0), (1, 128))]
+    assert errs[1] < 0.7 * errs[0]
+    assert fp8.relative_error(torch.randn(64, 64), "e5m2") > fp8.relative_error(torch.randn(64, 64), "e4m3")
+    w = torch.randn(192, 200)  # edge tiles smaller: 2 x 2 scales
+    q, scale = fp8.quantize(w, "e4m3", (128, 128))
+    assert q.shape == w.shape and scale.shape == (2, 2)
+    assert torch.equal(fp8.dequantize(q, scale, (128, 128))[:128, :128], fp8.fake_quantize(w[:128, :128]))
+    with pytest.raises(ValueError, match="fmt"):
+        fp8.quantize(x, "e3m4")
+
+
+def test_fp8_linears_keep_the_head_and_train_like_fp32():
+    from labkit.core.model import build_model
+
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32)
+    model = fp8.to_fp8(build_model(cfg, 0), "block")
+    kinds = {name: type(m).__name__ for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert kinds.pop("head") == "Linear" and set(kinds.values()) == {"FP8Linear"}
+    base = TrainConfig(steps=6, batch_size=8, lr=1e-3)
+    ref = train(base, cfg)["loss"]
+    for precision in ("fp8", "fp8-block"):
+        loss = train(replace(base, precision=precision), cfg)["loss"]
+        assert loss != ref and max(abs(a - b) for a, b in zip(loss, ref)) < 0.05, precision
+    with pytest.raises(ValueError, match="precision='fp8' is not supported with strategy='tp'"):
+        TrainConfig(strategy="tp", precision="fp8")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_fp8_under_ddp_and_fsdp_equals_one_process(strategy):
+    """DeepSeek-V3's tiles scale each token's values on its own, so splitting the batch over ranks
+    changes nothing: equal to one process in fp32's tolerance. Per-tensor scales are each rank's own
+    amax over its half of the batch, so there the runs differ by a little more (measured: 1.5e-3)."""
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32)
+    base = TrainConfig(steps=4, batch_size=8, lr=1e-3, count_comm="none")
+    for precision, tol in (("fp8-block", 1e-5), ("fp8", 1e-2)):
+        ref = train(replace(base, precision=precision), cfg)["loss"]
+        got = launch(train, replace(base, strategy=strategy, precision=precision), cfg, world_size=2,
+                     quiet=True)[0]["loss"]
+        assert max(abs(a - b) for a, b in zip(got, ref)) < tol, precision
+
+
+def test_fsdp_gathers_in_fp8_send_a_quarter_less():
+    bf16, f8 = (fp8.fsdp_bytes_per_step(1e9, 8, b) for b in (2, 1))
+    assert bf16["total"] == pytest.approx(8e9 * 7 / 8) and f8["total"] == pytest.approx(6e9 * 7 / 8)
+
+
+def test_eager_traffic_counts_each_kernels_inputs_and_outputs():
+    x, b, r = torch.randn(64, 32), torch.randn(32), torch.randn(64, 32)
+    t = fusion.eager_traffic(fusion.silu_residual_rmsnorm, x, b, r)
+    assert t["kernels"] == 8 and t["bytes"] > 3 * fusion.floor_bytes((x, b, r), x)
+    assert fusion.cuda_graph_seconds(fusion.silu_residual_rmsnorm, x, b, r) is None  # nothing to replay on CPU
+
+
+def test_the_mfu_split_adds_up_to_the_step_and_its_mfu():
+    hw = hardware("h100-80gb")
+    for name, (shape, plan) in examples().items():
+        b = breakdown(shape, plan, hw)
+        assert sum(b[p] for p in PARTS) == pytest.approx(b["total"], rel=1e-12), name
+        assert all(b[p] >= 0 for p in PARTS) and b["mfu"] == predict(shape, plan, hw)["mfu"]
+    moe = ModelShape.from_dims("llama", 1024, 4, 8, 32000, 2048, experts=8, experts_per_token=2)
+    with pytest.raises(ValueError, match="dense models"):
+        breakdown(moe, Plan(), hw)
