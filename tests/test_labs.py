@@ -410,9 +410,11 @@ def test_pipeline_parallel_lab_metrics(lab_metrics):
                                       "hand-written GPipe", "hand-written 1F1B"}
     assert all(v < 1e-5 for v in m["max_loss_dev"].values())
     assert all(len(loss) == P["steps"] >= 20 for loss in m["loss"].values())
-    assert m["grad_accum_loss_dev"] < 1e-5 < m["grad_accum_loss_dev_3x_lr"]
+    # one process accumulating microbatches departs by an ulp or two; after the 3x-lr spike by many
+    # more (15x on an AVX-512 host, 24x on an AVX2 one, where it also passed 1e-5)
+    assert m["grad_accum_loss_dev"] < 1e-5 and m["grad_accum_loss_dev_3x_lr"] > 4 * m["grad_accum_loss_dev"]
     for key, rows in m["bubble"].items():
-        assert all(r["measured"] > r["formula"] - 0.05 for r in rows), key
+        assert all(r["formula"] is None or r["measured"] > r["formula"] - 0.05 for r in rows), key
     gpipe = {r["m"]: r for r in m["bubble"]["GPipe"]}
     assert sorted(gpipe) == P["bubble_ms"] and gpipe[1]["formula"] == 0.5
     # more micro-batches, a smaller bubble: the order, not the formula's gap (0.5 against 1/9), which

@@ -68,7 +68,7 @@ _COMMUNICATION_EXACT = ("profile", "params/*", "accum/*", "hsdp/*", "mismatch_me
                         "recorded/comm_factor_err", "recorded/comm_mismatch_detected", "recorded/comm_n_sizes",
                         "recorded/comm_world", "recorded/comm_*_mb", "recorded/comm_min_bytes")
 _PIPELINE_TIMING = ("bubble/*/measured", "bubble/*/low", "bubble/*/high", "stage_busy_s*", "recorded/pp_1f1b_*",
-                    "recorded/pp_bubble_gap", "recorded/pp_bubble_hi", "recorded/pp_bubble_lo",
+                    "recorded/pp_bubble_gap", "recorded/pp_bubble_hi", "recorded/pp_bubble_lo", "recorded/pp_zbv_*",
                     "recorded/pp_imbalance", "recorded/pp_interleaved_hi")
 
 # Per lab: the paths ANY_LAB's names do not settle. First match wins.
@@ -81,11 +81,14 @@ LABS: dict[str, list[tuple[str, Kind]]] = {
     "pipeline_parallel": [(p, TIMING) for p in _PIPELINE_TIMING],
     "composing": [("bubble/measured", TIMING), ("recorded/cmp_bubble", TIMING)],
     "strategy_cost": [("cpu_prediction/*", TIMING), ("recorded/sc_cpu_*", TIMING)],
+    # SDPA's CPU kernel, against which the tiles are held, moved its last bits between two runs of
+    # the same commit on one machine: an error between two fp32 kernels is held to 1e-5, not exactly
     # what one device achieves against its roofline (the FLOPs, bytes and bounds are exact)
-    "inside_device": [(p, TIMING) for p in ("ops/*/of_roofline", "ops/*/achieved_flops", "ops/*/bound",
-                                            "recorded/dev_n_memory_bound", "recorded/dev_gflops",
-                                            "recorded/dev_gbps", "recorded/dev_ridge", "recorded/dev_*_of_roof",
-                                            "recorded/dev_time_memory_share", "recorded/dev_fusion_speedup")],
+    "inside_device": [(p, close(abs=1e-5)) for p in ("flash/max_err/*", "recorded/dev_flash_err")]
+                     + [(p, TIMING) for p in ("ops/*/of_roofline", "ops/*/achieved_flops", "ops/*/bound",
+                                              "recorded/dev_n_memory_bound", "recorded/dev_gflops",
+                                              "recorded/dev_gbps", "recorded/dev_ridge", "recorded/dev_*_of_roof",
+                                              "recorded/dev_time_memory_share", "recorded/dev_fusion_speedup")],
     "packing": [("training/*/loss", EXACT), ("training/*/padding", EXACT), ("training/*/real_tokens", EXACT),
                 ("training/*/slots", EXACT), ("training/*", TIMING), ("bench/*/seconds", TIMING),
                 ("pack/seconds", TIMING), ("speedup_real_tokens", TIMING), ("recorded/pk_bench_*_x", TIMING),

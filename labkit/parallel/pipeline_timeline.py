@@ -37,7 +37,7 @@ def bubble_formula(p: int, m: int, v: int = 1) -> float:
 @dataclass
 class Event:
     stage: int
-    kind: str  # "F" (forward) or "B" (backward)
+    kind: str  # "F" (forward), "B" (backward, or its input gradient) or "W" (weight gradient)
     mb: int
     start: float  # seconds since the step began (the barrier)
     end: float
@@ -184,12 +184,13 @@ def bubble_fraction(events: list[Event]) -> float:
 
 
 def plot_gantt(ax: Axes, events: list[Event], title: str = "") -> None:
-    """One row per stage (stage 0 on top): forwards blue, backwards orange, labelled by microbatch."""
+    """One row per stage (stage 0 on top): forwards blue, backwards (or, split, their input
+    gradients) orange, weight gradients green; labelled by microbatch."""
     stages = sorted({e.stage for e in events})
     t0 = min(e.start for e in events)
     for e in events:
         y = len(stages) - 1 - stages.index(e.stage)
-        color = "C0" if e.kind == "F" else "C1"
+        color = {"F": "C0", "W": "C2"}.get(e.kind, "C1")
         ax.barh(y, (e.end - e.start) * 1e3, left=(e.start - t0) * 1e3, height=0.8, color=color,
                 edgecolor="white", linewidth=0.5)
         ax.text((e.start - t0 + (e.end - e.start) / 2) * 1e3, y, str(e.mb), ha="center", va="center",
