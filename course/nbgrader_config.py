@@ -4,6 +4,11 @@
 # the same course id and exchange in their own nbgrader_config.py (the snippet in that chapter).
 import os
 
+from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
+from nbgrader.preprocessors import GetGrades
+
+from labkit.labs.feedback import FeedbackWithoutHiddenTests
+
 c = get_config()  # noqa: F821 - provided by nbgrader when it loads this file
 
 # The folder this file is in is the course directory, wherever it was copied to.
@@ -28,3 +33,7 @@ c.ExecutePreprocessor.startup_timeout = int(os.environ.get("NBGRADER_STARTUP_TIM
 # exercise fail its tests rather than pass by accident.
 c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
 c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
+
+# Feedback: nbgrader's own two steps, and between them the hidden tests taken out again (nbgrader
+# leaves them in by design, jupyter/nbgrader#917); labkit/labs/feedback.py says how.
+c.GenerateFeedback.preprocessors = [GetGrades, FeedbackWithoutHiddenTests, CSSHTMLHeaderPreprocessor]

@@ -26,7 +26,7 @@ class Payload:
 def resign(ckpt_dir: Path, step: int) -> None:
     """Rewrite a manifest so it matches the files as they are now (what an attacker could do)."""
     ckpt = Checkpointer.__new__(Checkpointer)  # only the path helpers: no process group involved
-    ckpt.dir = Path(ckpt_dir)
+    ckpt.dir, ckpt.readonly = Path(ckpt_dir), False
     path = ckpt.dir / Checkpointer.name(step)
     m = ckpt.manifest(step)
     for f in m["files"]:

@@ -217,6 +217,25 @@ def test_release_has_stubs_and_no_solutions_or_hidden_tests(graded):
         assert not leaked, (lab, leaked)  # no line of a hidden test reaches the students
 
 
+def test_feedback_shows_the_score_and_no_hidden_test(graded):
+    """nbgrader leaves hidden tests in the feedback by design (jupyter/nbgrader#917); the course's
+    config takes them out again, and the failing line out of a traceback (labkit/labs/feedback.py)."""
+    import html
+
+    for lab in ("memory", "data_parallel"):
+        course = graded["course_of"][lab]
+        nbgrader(course, "generate_feedback", lab, "--student", "planted", "--force")
+        page = html.unescape(re.sub(r"<[^>]+>", "", (course / "feedback" / "planted" / lab / f"{lab}.html").read_text()))
+        s = graded["scores"]["planted", lab]
+        assert f"Score: {s['score']:g}" in page.replace(".0 ", " ") or f"{s['score']:g} / {s['max_score']:g}" in page
+        assert "HIDDEN TESTS" not in page, lab
+        source = nbformat.read(course / "source" / lab / f"{lab}.ipynb", as_version=4)
+        hidden = {line.strip() for c in source.cells
+                  for block in re.findall(r"### BEGIN HIDDEN TESTS\n(.*?)### END HIDDEN TESTS", c.source, flags=re.S)
+                  for line in block.splitlines() if len(line.strip()) > 20} - _visible_lines(source)
+        assert hidden and not [line for line in hidden if line in page], lab
+
+
 def _visible_lines(nb) -> set[str]:
     text = "\n".join(re.sub(r"### BEGIN HIDDEN TESTS\n.*?### END HIDDEN TESTS", "", c.source, flags=re.S)
                      for c in nb.cells)

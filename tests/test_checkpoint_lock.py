@@ -133,7 +133,7 @@ def test_readers_load_complete_steps_while_the_writer_saves_and_prunes(tmp_path)
                    for _ in range(3)]
         try:
             assert all(r.stdout.readline().strip() == "ready" for r in readers)  # each has loaded once
-            for step in range(1, 81):
+            for step in range(1, 201):
                 writer.save(step, {"w": torch.full((256,), float(step))})
         finally:
             (tmp_path / "stop").touch()

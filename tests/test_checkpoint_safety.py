@@ -181,6 +181,21 @@ def test_a_reader_racing_retention_skips_what_vanished(tmp_path, monkeypatch):
     ck.close()
 
 
+def test_a_reader_sees_a_step_whose_re_save_was_interrupted(tmp_path):
+    """Killed between publish's two renames, a re-save leaves step 2's only complete copy as
+    .old-step_00000002: a reader loads it there; the next writer puts it back (issue 29, item 4)."""
+    ck = _saved(tmp_path, 1, 2)
+    ck.close()
+    os.rename(tmp_path / "step_00000002", tmp_path / ".old-step_00000002")
+    reader = Checkpointer(tmp_path, readonly=True)
+    assert reader.steps() == [1, 2] and reader.verify(2) == []
+    step, state = reader.load_latest()
+    assert step == 2 and reader.last_load.path.endswith(".old-step_00000002")
+    with Checkpointer(tmp_path) as writer:  # a writer restores it, under its own name
+        assert writer.steps() == [1, 2] and (tmp_path / "step_00000002").is_dir()
+    assert reader.load_latest()[0] == 2 and reader.last_load.path.endswith("/step_00000002")
+
+
 def test_a_lock_file_planted_as_a_symlink_is_not_followed(tmp_path):
     target = tmp_path / "victim"
     target.write_text("keep me")

@@ -1,5 +1,6 @@
 """Every command line: a bad argument is one line naming it, and exit status 2; --help explains every flag."""
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -97,10 +98,31 @@ def test_memory_cli_bad_values_are_one_line_before_any_output(capsys, argv):
     assert capsys.readouterr().out == ""  # no half-printed table
 
 
+_HUGE = str(10**300)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--hidden", _HUGE, "--layers", "2", "--heads", "2"], "hidden must be at most 1e+15"),
+    (["--devices", _HUGE], "world_size must be at most 1e+15"),
+    (["--model", "DEEP"], "nested too deeply"),
+    (["--model", "HUGE"], "hidden_size must be between 0 and 1e+15"),
+])
+def test_memory_cli_huge_and_hostile_inputs_are_one_line(capsys, tmp_path, argv, words):
+    """What ended in OverflowError and RecursionError tracebacks (issue 29, item 9)."""
+    (tmp_path / "DEEP.json").write_text('{"a":' * 100_000 + "1" + "}" * 100_000)
+    (tmp_path / "HUGE.json").write_text(json.dumps(
+        {"model_type": "llama", "hidden_size": 10**300, "num_hidden_layers": 2, "num_attention_heads": 2,
+         "intermediate_size": 8, "vocab_size": 10, "max_position_embeddings": 16}))
+    argv = [str(tmp_path / f"{a}.json") if a in ("DEEP", "HUGE") else a for a in argv]
+    assert words in _one_line_error(capsys, memory_main, argv)
+
+
 @pytest.mark.parametrize("argv", [["run", "nosuch"], ["run", "data_parallel", "--profile", "huge"],
                                   ["flags", "data_parallel", "gpu", "--world-size", "0"], ["flags", "x", "gpu",
                                                                                             "--world-size", "2"],
-                                  ["bogus"]])
+                                  ["bogus"], ["run", "data_parallel", "-p", "steps", "-5"],
+                                  ["run", "data_parallel", "-p", "steps=2.5"], ["run", "data_parallel", "-p", "steps"],
+                                  ["run", "data_parallel", "--profile", "gpu", "--gpus", "4096"]])
 def test_lab_runner_bad_values_are_one_line(capsys, argv):
     _one_line_error(capsys, labs_main, argv)
 
@@ -123,3 +145,20 @@ def test_fsdp_without_torchrun_runs_in_a_one_rank_group(tmp_path):
 
     m = json.loads(out.read_text())
     assert m["strategy"] == "fsdp" and m["world_size"] == 1 and len(m["loss"]) == 2
+
+
+@pytest.mark.parametrize("env, argv, words", [
+    ({"RANK": "0", "WORLD_SIZE": "abc"}, [], "WORLD_SIZE='abc' must be a whole number"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "x"}, [], "LOCAL_RANK='x' must be a whole number"),
+    ({"RANK": "5", "WORLD_SIZE": "2"}, [], "RANK=5 is outside WORLD_SIZE=2"),
+    ({"RANK": "0", "WORLD_SIZE": "1"}, ["--max-bytes", "100000G"], "GiB available; give a smaller --max-bytes"),
+])
+def test_comm_bench_checks_torchruns_variables_and_its_buffers_first(capsys, monkeypatch, env, argv, words):
+    """What read LOCAL_RANK raw and went to the allocator with 100000G (issue 29, item 9)."""
+    from labkit.comm.bench import main as bench_main
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert words in _one_line_error(capsys, bench_main, argv)

@@ -146,15 +146,20 @@ def test_fp8_linears_keep_the_head_and_train_like_fp32():
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_fp8_under_ddp_and_fsdp_equals_one_process(strategy):
     """DeepSeek-V3's tiles scale each token's values on its own, so splitting the batch over ranks
-    changes nothing: equal to one process in fp32's tolerance. Per-tensor scales are each rank's own
-    amax over its half of the batch, so there the runs differ by a little more (measured: 1.5e-3)."""
+    changes no scale: the runs differ only where fp32's last bits (another reduction order, another
+    thread count) tip a value over an fp8 rounding boundary (measured: 1e-5 on an AVX2 host, 5.3e-5
+    on an AVX-512 one). Per-tensor scales are each rank's own amax over its half of the batch, so
+    there every quantized value may move (measured: 1.5e-3), ten times more or worse."""
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32)
     base = TrainConfig(steps=4, batch_size=8, lr=1e-3, count_comm="none")
-    for precision, tol in (("fp8-block", 1e-5), ("fp8", 1e-2)):
+    dev = {}
+    for precision, tol in (("fp8-block", 3e-4), ("fp8", 1e-2)):
         ref = train(replace(base, precision=precision), cfg)["loss"]
         got = launch(train, replace(base, strategy=strategy, precision=precision), cfg, world_size=2,
                      quiet=True)[0]["loss"]
-        assert max(abs(a - b) for a, b in zip(got, ref)) < tol, precision
+        dev[precision] = max(abs(a - b) for a, b in zip(got, ref))
+        assert dev[precision] < tol, (precision, dev)
+    assert dev["fp8"] > 10 * dev["fp8-block"], dev
 
 
 def test_fsdp_gathers_in_fp8_send_a_quarter_less():

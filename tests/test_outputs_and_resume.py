@@ -28,6 +28,49 @@ def test_a_resume_applies_a_new_learning_rate_and_refuses_another_schedule(tmp_p
         train(TrainConfig(**{**base, "steps": 8}, lr=1e-3, lr_schedule="cosine"), MODEL)
 
 
+def test_a_resume_at_another_precision_is_refused_naming_it(tmp_path):
+    base = dict(steps=2, batch_size=4, save_every=2, checkpoint_dir=str(tmp_path), seed=0)
+    train(TrainConfig(**base), MODEL)
+    with pytest.raises(ValueError, match="precision='fp32' but this run has precision='bf16'"):
+        train(TrainConfig(**{**base, "steps": 4}, precision="bf16"), MODEL)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failed_train_leaves_its_checkpoint_directory_unlocked(tmp_path, monkeypatch, async_save):
+    """A notebook keeps the failed call's frames; the next run in the same kernel must not find the
+    directory locked by this process (issue 29, item 3), once a save in flight is published."""
+    import time
+
+    import labkit.train.loop as loop
+    from labkit.fault_tolerance import Checkpointer
+    from labkit.fault_tolerance.errors import CheckpointError
+
+    real, calls = loop.train_step, []
+
+    def fails_on_the_third(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a bad batch")
+        return real(*args)
+
+    monkeypatch.setattr(loop, "train_step", fails_on_the_third)
+    kept = {}
+    with pytest.raises(RuntimeError, match="a bad batch") as failed:
+        train(TrainConfig(steps=4, batch_size=4, save_every=1, checkpoint_dir=str(tmp_path), seed=0,
+                          async_save=async_save), MODEL)
+    kept["traceback"] = failed.tb  # the frames, and the Checkpointer in them, stay alive
+    deadline = time.monotonic() + 60
+    while True:  # an async save of step 2 may still be in flight: its lock goes once it is published
+        try:
+            again = Checkpointer(tmp_path)
+            break
+        except CheckpointError:
+            assert async_save and time.monotonic() < deadline, "the failed run still holds the lock"
+            time.sleep(0.05)
+    with again:
+        assert again.steps() == [1, 2]
+
+
 def test_a_resume_at_the_same_learning_rate_has_no_note(tmp_path):
     base = dict(steps=2, batch_size=4, save_every=2, checkpoint_dir=str(tmp_path), seed=0)
     train(TrainConfig(**base), MODEL)
@@ -68,6 +111,8 @@ def test_every_command_checks_its_output_path_first(module, argv, message, tmp_p
     ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be at least 1"),
     ({"RANK": "5", "WORLD_SIZE": "2"}, "RANK=5 is outside WORLD_SIZE=2"),
     ({"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' must be a whole number"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LABKIT_THREADS": "two"}, "LABKIT_THREADS='two' must be a whole number"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LABKIT_THREADS": "0"}, "LABKIT_THREADS=0 must be at least 1"),
 ])
 def test_torchrun_variables_are_checked_and_named(env, message, monkeypatch, capsys):
     from labkit.train.cli import main

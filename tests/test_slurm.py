@@ -168,8 +168,10 @@ def test_launch_slurm_runs_a_lab_function_on_two_nodes_and_gathers_results(slurm
 
 
 def test_launch_slurm_quotes_its_folder_and_reports_a_job_that_died_at_once(slurm, monkeypatch, tmp_path):
-    """A folder named like a shell command runs nothing (the job script quotes it), and a job that
-    ends without a result is reported as soon as it leaves the queue, not after the whole timeout."""
+    """A folder or an interpreter path named like a shell command runs nothing (the job script
+    quotes both), and a job that ends without a result is reported as soon as it leaves the queue,
+    not after the whole timeout."""
+    import shlex
     import time
 
     from labkit.launch.slurm import launch_slurm
@@ -177,6 +179,10 @@ def test_launch_slurm_quotes_its_folder_and_reports_a_job_that_died_at_once(slur
     monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
     hostile = tmp_path / "labs$(touch pwned) (copy)"
     hostile.mkdir()
+    python = hostile / "python"  # a venv's interpreter in such a folder
+    python.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+    python.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(python))
     monkeypatch.chdir(hostile)
     out = launch_slurm(os.getcwd, nodes=1, tasks_per_node=1, folder=tmp_path / "jobs", timeout=120)
     assert out == [str(hostile)] and not list(tmp_path.rglob("pwned")) and not (ROOT / "pwned").exists()

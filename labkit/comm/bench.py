@@ -32,7 +32,7 @@ import torch.distributed as dist
 from labkit.comm.p2p import exchange
 from labkit.core.checks import one_of, output_file, positive_int, positive_number
 from labkit.core.cli import ArgumentParser
-from labkit.core.devices import DEVICE_TYPES, backend_for, rank_device, synchronize
+from labkit.core.devices import DEVICE_TYPES, available_bytes, backend_for, rank_device, synchronize, torchrun_env
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "sendrecv")
 
@@ -250,7 +250,15 @@ def main(argv: list[str] | None = None) -> int:
     ops, lo, hi = _check(ap, a)
     if "RANK" not in os.environ:
         ap.error("run it under torchrun, one process per rank: torchrun --nproc-per-node 2 -m labkit.comm.bench ...")
-    local = int(os.environ.get("LOCAL_RANK", 0))
+    try:
+        _, world, local, local_world = torchrun_env()
+    except ValueError as e:
+        ap.error(str(e))
+    # each rank holds about two buffers of the largest message; on a CPU the node's ranks share its memory
+    need, room = 2 * hi * (local_world or world if a.device == "cpu" else 1), available_bytes(a.device)
+    if room is not None and need > room:
+        ap.error(f"--max-bytes {a.max_bytes}: {need / 2**30:,.1f} GiB of buffers, more than the "
+                 f"{room / 2**30:,.1f} GiB available; give a smaller --max-bytes")
     if a.device == "cuda" and torch.cuda.device_count() <= local:
         ap.error(f"--device cuda but local rank {local} has no GPU ({torch.cuda.device_count()} visible)")
     device = rank_device(a.device, local)

@@ -13,6 +13,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
+# The largest count (parameters, tokens, widths, ranks) a model's shape may hold: 1e15 is past any
+# model trained yet, and below where the calculators' float arithmetic would overflow.
+MAX_COUNT = 10**15
+
 
 def _whole(value: Any, accept_float: bool) -> bool:
     if isinstance(value, bool):
@@ -29,6 +33,14 @@ def positive_int(name: str, value: Any, accept_float: bool = False) -> int:
     if not _whole(value, accept_float) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def positive_count(name: str, value: Any, accept_float: bool = False) -> int:
+    """:func:`positive_int` for a count in a model's shape, at most :data:`MAX_COUNT`."""
+    n = positive_int(name, value, accept_float)
+    if n > MAX_COUNT:
+        raise ValueError(f"{name} must be at most {MAX_COUNT:.0e}, got {value:.3g}")
+    return n
 
 
 def non_negative_int(name: str, value: Any, accept_float: bool = False) -> int:
@@ -50,6 +62,13 @@ def non_negative_number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value >= 0):
         raise ValueError(f"{name} must be a non-negative finite number, got {value!r}")
     return float(value)
+
+
+def at_most(name: str, value: float, top: float, why: str) -> float:
+    """``value`` when it is at most ``top``, else a ValueError saying ``why`` a larger one is no use."""
+    if value > top:
+        raise ValueError(f"{name}={value:g} is too large ({why}); valid: up to {top:g}")
+    return value
 
 
 def fraction(name: str, value: Any, low_open: bool = False, high_open: bool = False) -> float:

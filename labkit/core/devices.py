@@ -96,12 +96,13 @@ THREADS_ENV = "LABKIT_THREADS"  # the ci profile sets 1: its sums then add in th
 def share_cores(local_ranks: int) -> None:
     """N ranks on one host, each defaulting to every core, oversubscribe the CPU badly: each gets its
     share, or ``$LABKIT_THREADS`` threads where that is set."""
-    fixed = os.environ.get(THREADS_ENV, "")
-    torch.set_num_threads(int(fixed) if fixed.isascii() and fixed.isdigit() and int(fixed) > 0
-                          else max(1, (os.cpu_count() or 1) // local_ranks))
+    fixed = os.environ.get(THREADS_ENV, "")  # empty: unset (a job script's unset variable)
+    torch.set_num_threads(env_int(THREADS_ENV, low=1) if fixed else max(1, (os.cpu_count() or 1) // local_ranks))
 
 
-def _env_int(name: str, default: int | None = None, low: int = 0) -> int:
+def env_int(name: str, default: int | None = None, low: int = 0) -> int:
+    """The whole number in environment variable ``name`` (``default`` when unset), at least ``low``;
+    a ValueError naming the variable otherwise."""
     text = os.environ.get(name)
     if text is None:
         if default is None:
@@ -119,12 +120,25 @@ def _env_int(name: str, default: int | None = None, low: int = 0) -> int:
 def torchrun_env() -> tuple[int, int, int, int]:
     """``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (0 when unset) as torchrun sets
     them, checked: a ValueError naming the variable (a rank outside the world would wait for ever)."""
-    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE", low=1)
+    rank, world = env_int("RANK"), env_int("WORLD_SIZE", low=1)
     if rank >= world:
         raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world}: ranks are 0..{world - 1}")
-    local_rank = _env_int("LOCAL_RANK", 0)
+    local_rank = env_int("LOCAL_RANK", 0)
     # DeepSpeed's launcher sets no LOCAL_WORLD_SIZE: then this node's ranks are unknown, the world at most
-    local_world = _env_int("LOCAL_WORLD_SIZE", 0, low=1) if "LOCAL_WORLD_SIZE" in os.environ else 0
+    local_world = env_int("LOCAL_WORLD_SIZE", 0, low=1) if "LOCAL_WORLD_SIZE" in os.environ else 0
     if local_world and local_rank >= local_world:
         raise ValueError(f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world}")
     return rank, world, local_rank, local_world
+
+
+def available_bytes(device: str) -> int | None:
+    """What one rank may allocate: one GPU's memory on ``cuda``, the machine's ``MemAvailable`` on
+    ``cpu`` (shared by the ranks on the node); None where it cannot be read."""
+    if device == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    try:
+        with open("/proc/meminfo") as f:
+            line = next(ln for ln in f if ln.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        return None

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labkit.core.checks import non_negative_int, non_negative_number, positive_int
+from labkit.core.checks import at_most, non_negative_int, non_negative_number, positive_int
 from labkit.core.moe import MoEMLP, RoutingStats
 
 
@@ -50,7 +50,10 @@ class GPTConfig:
         non_negative_int("GPTConfig.moe_experts", self.moe_experts)
         positive_int("GPTConfig.moe_top_k", self.moe_top_k)
         non_negative_number("GPTConfig.moe_capacity_factor", self.moe_capacity_factor)
+        at_most("GPTConfig.moe_capacity_factor", self.moe_capacity_factor, 1e3,
+                "a factor of moe_experts / moe_top_k already drops no token")
         non_negative_number("GPTConfig.moe_aux_weight", self.moe_aux_weight)
+        at_most("GPTConfig.moe_aux_weight", self.moe_aux_weight, 1e3, "Switch uses 1e-2; more drowns the loss")
         if self.moe_experts and self.moe_top_k > self.moe_experts:
             raise ValueError(f"GPTConfig.moe_top_k={self.moe_top_k} must be at most moe_experts={self.moe_experts}")
 

@@ -49,7 +49,7 @@ from labkit.fault_tolerance import directory as ckdir
 from labkit.fault_tolerance import loading
 from labkit.fault_tolerance.directory import LATEST, MANIFEST  # noqa: F401 - part of this module's names
 from labkit.fault_tolerance.files import (DEFAULT_HASH, HASHES, CheckpointError, check_loadable, describe,
-                                          file_digest, fsync_tree, split, write_durably)
+                                          file_digest, free_space, fsync_tree, split, write_durably)
 from labkit.fault_tolerance.loading import LOCAL, is_engine
 from labkit.fault_tolerance.lock import Closing, DirectoryLock, lock_wanted
 from labkit.fault_tolerance.step_log import LoadInfo, SaveStats
@@ -104,8 +104,13 @@ class Checkpointer(Closing):
     name = staticmethod(ckdir.step_name)
 
     def steps(self) -> list[int]:
-        """Published checkpoints, oldest first (whether they verify or not)."""
-        return ckdir.published_steps(self.dir)
+        """Published checkpoints, oldest first (whether they verify or not); a reader also sees a step
+        whose re-save was interrupted (:func:`~.directory.readable_steps`)."""
+        return (ckdir.readable_steps if self.readonly else ckdir.published_steps)(self.dir)
+
+    def path(self, step: int) -> Path:
+        """Where step ``step`` is read from: ``step_X``, or for a reader its ``.old-`` copy while away."""
+        return ckdir.step_path(self.dir, step, self.readonly)
 
     # -- saving --
     def save(self, step: int, state: dict) -> SaveStats:
@@ -200,8 +205,9 @@ class Checkpointer(Closing):
         self.last_save = stats
 
     def _check_all(self, err: BaseException | None, step: int | None, tmp: Path | None = None) -> None:
-        errors = [e for e in self._gather(None if err is None else f"rank {self.rank}: {describe(err)}")
-                  if e is not None]
+        mine = None if err is None else (f"rank {self.rank}: {describe(err)}"
+                                         + (free_space(self.dir) if step is not None else ""))
+        errors = [e for e in self._gather(mine) if e is not None]
         if not errors:
             return
         if step is None:  # opening the directory
@@ -215,11 +221,11 @@ class Checkpointer(Closing):
     # -- loading --
     def manifest(self, step: int) -> dict:
         """The verified manifest of a published checkpoint; CheckpointError when it is damaged."""
-        return ckdir.read_manifest(self.dir / self.name(step))
+        return ckdir.read_manifest(self.path(step))
 
     def verify(self, step: int) -> list[str]:
         """Problems found in checkpoint ``step`` (empty when every file matches its manifest)."""
-        return loading.verify(self.dir / self.name(step), self.rank, self.world, self._gather)
+        return loading.verify(self.path(step), self.rank, self.world, self._gather)
 
     def load_latest(self, template: dict | None = None, check: Callable[[dict], bool | None] | None = None,
                     if_unusable: str = "raise") -> tuple[int, dict] | None:
@@ -242,26 +248,26 @@ class Checkpointer(Closing):
         steps = list(reversed(self.steps()))
         while steps:
             step, state = steps.pop(0), None
+            path = self.path(step)  # one copy, verified and read: a reader's may be the .old- one
             try:
-                problems = self.verify(step)
+                problems = loading.verify(path, self.rank, self.world, self._gather)
                 if not problems:
-                    saved = self._open(step)
+                    saved = loading.open_plain(path, self.rank, self.world, self._gather)
                     moved = bool(check(saved["skeleton"])) if check is not None else False
-                    state = self._read(step, saved, template, moved)
-                    saved_world = self.manifest(step)["world_size"]
+                    saved_world = ckdir.read_manifest(path)["world_size"]
+                    state = self._read(step, path, saved, template, saved_world == self.world, moved)
             except (CheckpointError, dcp.CheckpointException, FileNotFoundError) as e:  # DCP's is a BaseException
                 problems = [f"refused to load: {describe(e)}"]
-            if problems and self.readonly and not (self.dir / self.name(step)).exists() and len(skipped) < 100:
-                steps = [s for s in reversed(self.steps()) if s != step]  # the writer retired it: look again
+            if problems and self.readonly and not path.exists() and len(skipped) < 100:
+                steps = list(reversed(self.steps()))  # the writer retired or re-saved it: look again
                 skipped.append((step, "retired by the writer while it was read"))
                 continue
             if problems:
                 skipped.append((step, "; ".join(problems)))
-                warnings.warn(f"checkpoint {self.dir / self.name(step)} is unusable ({'; '.join(problems)}); "
+                warnings.warn(f"checkpoint {path} is unusable ({'; '.join(problems)}); "
                               "trying an older one", stacklevel=2)
                 continue
-            self.last_load = LoadInfo(step, str(self.dir / self.name(step)), saved_world, time.perf_counter() - t0,
-                                      skipped)
+            self.last_load = LoadInfo(step, str(path), saved_world, time.perf_counter() - t0, skipped)
             return step, state
         self.last_load = None
         if skipped and if_unusable == "raise":
@@ -271,12 +277,7 @@ class Checkpointer(Closing):
                                   "if_unusable='start_over' (labkit.train: --restart-if-unusable)")
         return None
 
-    def _open(self, step: int) -> dict:
-        """This rank's plain values, after every file that will be unpickled passed the safe unpicklers."""
-        return loading.open_plain(self.dir / self.name(step), self.rank, self.world, self._gather)
-
-    def _read(self, step: int, saved: dict, template: dict | None, moved: bool = False) -> dict:
-        path, same_world = self.dir / self.name(step), self.manifest(step)["world_size"] == self.world
+    def _read(self, step: int, path: Path, saved: dict, template: dict | None, same_world: bool, moved: bool) -> dict:
         # every rank agrees on what it reads before any enters DCP's collective load
         planned = loading.agreed(lambda: loading.plan_read(path, step, saved, template, self.rank, same_world, moved),
                                  self.rank, self._gather)

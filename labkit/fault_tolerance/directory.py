@@ -53,6 +53,21 @@ def published_steps(directory: Path) -> list[int]:
     return sorted(s for s in steps if s is not None)
 
 
+def readable_steps(directory: Path) -> list[int]:
+    """What a reader may load, oldest first: the published steps, and a step whose re-save was
+    interrupted, whose only complete copy is ``.old-step_X`` until a writer puts it back."""
+    old = (m.group(2) for m in (LEFTOVER.fullmatch(p.name) for p in directory.iterdir() if p.is_dir())
+           if m is not None and m.group(1) == "old")
+    return sorted(set(published_steps(directory)) | {s for s in map(_step_of, old) if s is not None})
+
+
+def step_path(directory: Path, step: int, readonly: bool = False) -> Path:
+    """Where step ``step`` is: ``step_X``; for a reader, its ``.old-`` copy while ``step_X`` is away."""
+    final = directory / step_name(step)
+    old = directory / f".old-{final.name}"
+    return old if readonly and not final.exists() and old.is_dir() and not old.is_symlink() else final
+
+
 def recover_leftovers(directory: Path) -> list[str]:
     """Tidy what a killed save or retirement left; what was done, one line each.
 
@@ -103,7 +118,7 @@ def _check_structure(m: object, path: Path) -> dict:
     if m.get("format") != FORMAT:
         raise CheckpointError(f"{MANIFEST} of {path.name} has format {m.get('format')!r}; this labkit reads "
                               f"format {FORMAT}")
-    ok = (isinstance(m.get("step"), int) and m["step"] == _step_of(path.name)
+    ok = (isinstance(m.get("step"), int) and m["step"] == _step_of(path.name.removeprefix(".old-"))
           and isinstance(m.get("world_size"), int) and m["world_size"] > 0 and m.get("hash") in HASHES
           and isinstance(m.get("files"), dict)
           and all(isinstance(f, str) and isinstance(v, list) and len(v) == 2 and isinstance(v[0], int)

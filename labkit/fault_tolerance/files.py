@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import shutil
 import warnings
 import zlib
 from pathlib import Path
@@ -55,6 +56,16 @@ def describe(err: BaseException) -> str:
     if isinstance(err, dcp.CheckpointException):
         return "; ".join(f"{type(e).__name__}: {e}" for _, (e, _) in sorted(err.failures.items()))
     return f"{type(err).__name__}: {err}"
+
+
+def free_space(directory: str | os.PathLike) -> str:
+    """What a failed save's message adds: the free space where it wrote. torch's zip writer reports a
+    full disk as "unexpected pos 704 vs 598", naming neither the disk nor the space."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return ""
+    return f" [{free / 2**20:,.1f} MiB free on its filesystem{': full?' if free < 64 * 2**20 else ''}]"
 
 
 def file_digest(path: str | os.PathLike, algo: str | None = None, chunk: int = 8 << 20) -> str:

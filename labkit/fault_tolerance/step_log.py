@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from labkit.core.devices import env_int
+
 
 class StepLog:
     """Append-only JSON lines (one per event) that survive a SIGKILL of the writer: rank 0 logs steps,
@@ -19,7 +21,7 @@ class StepLog:
     def __init__(self, path: str | os.PathLike | None) -> None:
         self.path = Path(path) if path else None
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        self.restart = env_int("TORCHELASTIC_RESTART_COUNT", 0)
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.event("start", all_ranks=True, pid=os.getpid())

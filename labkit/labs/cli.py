@@ -24,6 +24,15 @@ def parse_value(text: str) -> Any:
         return {"True": True, "False": False, "None": None}.get(text, text)
 
 
+def _key_value(given: list[str]) -> tuple[str, object]:
+    """``-p KEY VALUE`` (papermill's form) or ``-p KEY=VALUE``, the value read by :func:`parse_value`."""
+    if len(given) == 1 and "=" in given[0]:
+        given = given[0].split("=", 1)
+    if len(given) != 2 or not given[0]:
+        raise ValueError(f"-p {' '.join(given)}: give a parameter as -p KEY VALUE or -p KEY=VALUE (e.g. -p steps 5)")
+    return given[0], parse_value(given[1])
+
+
 def check_gpus_here(lab: str, profile: str, gpus: int | None, overrides: dict) -> None:
     """A ValueError when a run would put ``lab`` on more GPUs than this machine has (``--gpus`` plans
     for GPUs; ``resolve --gpus`` shows such a plan without running it)."""
@@ -72,9 +81,10 @@ def _parser() -> ArgumentParser:
                    "(CPU profiles; their timings then share the cores)")
     r.add_argument("--as-script", action="store_true", help="run the lab's cells in order without Jupyter "
                    "(for machines without papermill or a kernel); writes the metrics JSON only")
-    r.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
+    r.add_argument("-p", "--parameter", nargs="+", action="append", default=[], metavar="KEY VALUE",
                    help="override one of the profile's parameters, as papermill's -p does: -p steps 5 -p lr 1e-3 "
-                   "(VALUE read as JSON: numbers, true/false, lists; otherwise a string); checked before any lab runs")
+                   "(or -p steps=5; VALUE read as JSON: numbers, true/false, lists; otherwise a string); checked "
+                   "before any lab runs")
     rs = sub.add_parser("resolve", help="print, as JSON, the parameters a lab runs with under a profile "
                         "(a gpu profile fitted to --gpus N; nothing looks for GPUs)")
     rs.add_argument("lab")
@@ -143,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "profiles":
         print(json.dumps(PROFILES, indent=1))
         return 0
-    overrides = {key: parse_value(value) for key, value in args.parameter}
     try:
+        overrides = dict(_key_value(p) for p in args.parameter)
         names = args.labs or list_labs()
         output_dir("--out", args.out)
         if args.gpus is not None:

@@ -143,7 +143,7 @@ def launch_slurm(fn: Callable, *args: Any, nodes: int = 1, tasks_per_node: int =
     folder.mkdir(parents=True, exist_ok=True)
     # submitit polls sacct and warns on every call where accounting is off (a one-host cluster)
     logging.getLogger("submitit").setLevel(logging.ERROR)
-    ex = submitit.SlurmExecutor(folder=folder, python=sys.executable)
+    ex = submitit.SlurmExecutor(folder=folder, python=shlex.quote(sys.executable))  # a command line
     params: dict[str, Any] = dict(nodes=nodes, ntasks_per_node=tasks_per_node, time=time_min,
                                   cpus_per_task=cpus_per_task or max(1, (os.cpu_count() or 2) // tasks_per_node),
                                   setup=[f"cd {shlex.quote(str(Path.cwd()))}"], stderr_to_stdout=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit.core.checks import one_of, positive_int
+from labkit.core.checks import one_of, positive_count
 
 FAMILIES = ("gpt", "llama", "qwen2")
 
@@ -65,7 +65,7 @@ class ModelShape:
     def from_n_params(cls, n_params: float, seq_len: int = 2048, vocab: int = 50257) -> "ModelShape":
         """A GPT-3-proportioned shape for a bare parameter count: hidden = 128 x layers and
         128-wide heads, as GPT-3's 6.7B, 13B and 175B models are (Brown et al. 2020, Table 2.1)."""
-        n = positive_int("n_params", n_params, accept_float=True)
+        n = positive_count("n_params", n_params, accept_float=True)
         layers = max(1, round((n / (12 * 128**2)) ** (1 / 3)))
         return cls(n, layers, 128 * layers, layers, vocab, seq_len, "derived from the parameter count")
 
@@ -83,10 +83,10 @@ class ModelShape:
                   attention_bias: bool = False, mlp_bias: bool = False, note: str = "") -> "ModelShape":
         """A shape whose parameters are counted exactly from its dimensions (:func:`count_params`)."""
         family = one_of("family", family, FAMILIES, "families")
-        dims = {n: positive_int(n, v) for n, v in (("hidden", hidden), ("layers", layers), ("heads", heads),
+        dims = {n: positive_count(n, v) for n, v in (("hidden", hidden), ("layers", layers), ("heads", heads),
                                                     ("vocab", vocab), ("seq_len", seq_len), ("experts", experts),
                                                     ("experts_per_token", experts_per_token))}
-        kv = positive_int("kv_heads", kv_heads) if kv_heads is not None else heads
+        kv = positive_count("kv_heads", kv_heads) if kv_heads is not None else heads
         if heads % kv:
             raise ValueError(f"kv_heads={kv} must divide heads={heads} (grouped-query attention)")
         if experts_per_token > experts:
@@ -94,12 +94,12 @@ class ModelShape:
         if head_dim is None and hidden % heads:
             raise ValueError(f"heads={heads} must divide hidden={hidden} (or give head_dim)")
         if intermediate is not None:
-            inter = positive_int("intermediate", intermediate)
+            inter = positive_count("intermediate", intermediate)
         else:  # GPT: 4h; SwiGLU: 2/3 of 4h rounded up to a multiple of 256, as LLaMA sizes it (11008 for 4096)
             inter = 4 * hidden if family == "gpt" else -(-8 * hidden // 3 // 256) * 256
         shape = cls(0, dims["layers"], dims["hidden"], dims["heads"], dims["vocab"], dims["seq_len"], note, family,
                     kv, inter, experts, experts_per_token,
-                    positive_int("head_dim", head_dim) if head_dim is not None else None)
+                    positive_count("head_dim", head_dim) if head_dim is not None else None)
         tied = (family == "gpt") if tied is None else bool(tied)
         total, active = count_params(shape, tied, attention_bias, mlp_bias)
         return cls(total, *(getattr(shape, f) for f in _FIELDS[1:-1]), active if experts > 1 else None)

@@ -20,7 +20,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 
-from labkit.core.checks import one_of, positive_int
+from labkit.core.checks import at_most, one_of, positive_count, positive_number
 from labkit.memory.architecture import MODELS, ModelShape, expert_params
 from labkit.memory.hf_config import shape_from_hf_config
 
@@ -39,7 +39,7 @@ BYTES_PER_PARAM = {
 
 
 def _count(name: str, value) -> int:  # counts here may come as floats: 1e9 parameters
-    return positive_int(name, value, accept_float=True)
+    return positive_count(name, value, accept_float=True)
 
 
 def _stage(stage) -> int:
@@ -249,8 +249,8 @@ def estimate_memory(model, micro_batch: int = 1, world_size: int = 1, stage: int
         raise ValueError(f"ep={ep} must divide the model's {shape.experts} experts")
     if pp > shape.n_layer:
         raise ValueError(f"pp={pp} stages need at least {pp} layers; the model has {shape.n_layer}")
-    if device_memory_gb <= 0:
-        raise ValueError(f"device_memory_gb must be positive, got {device_memory_gb!r}")
+    at_most("device_memory_gb", positive_number("device_memory_gb", device_memory_gb), 1e6,
+            "a million GB on one device")
     full_s = _count("seq_len", seq_len or shape.seq_len)
     if full_s % cp:
         raise ValueError(f"cp={cp} must divide seq_len={full_s}")

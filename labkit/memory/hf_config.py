@@ -19,6 +19,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from labkit.core.checks import MAX_COUNT
 from labkit.memory.architecture import ModelShape
 
 MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "gpt2": "gpt"}
@@ -32,8 +33,9 @@ def _read(path) -> tuple[Path, dict]:
         raise ValueError(f"model={str(path)!r}: no such config.json")
     try:
         cfg = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"model={str(path)!r} is not a readable JSON config: {e}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else e
+        raise ValueError(f"model={str(path)!r} is not a readable JSON config: {why}") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"model={str(path)!r} is not a config.json object")
     return p, cfg
@@ -45,6 +47,8 @@ def _get(cfg: dict, key: str, where: str, default=None, kind=int):
         raise ValueError(f"{where} lacks {key!r}")
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ValueError(f"{where}: {key} must be an integer, got {value!r}")
+    if kind is int and not 0 <= value <= MAX_COUNT:
+        raise ValueError(f"{where}: {key} must be between 0 and {MAX_COUNT:.0e}, got {value:.3g}")
     if kind is bool and not isinstance(value, bool):
         raise ValueError(f"{where}: {key} must be true or false, got {value!r}")
     return value

@@ -12,7 +12,7 @@ import argparse
 import json
 from dataclasses import asdict
 
-from labkit.core.checks import fraction, positive_int, positive_number
+from labkit.core.checks import at_most, fraction, positive_int, positive_number
 from labkit.core.cli import ArgumentParser
 from labkit.memory.architecture import FAMILIES, ModelShape
 from labkit.memory.calculator import GB, MODELS, RECOMPUTE, estimate_memory, model_shape
@@ -98,7 +98,7 @@ def _check(a) -> None:
         if getattr(a, flag) is not None:
             positive_int("--" + flag.replace("_", "-"), getattr(a, flag))
     if a.device_gb is not None:
-        positive_number("--device-gb", a.device_gb)
+        at_most("--device-gb", positive_number("--device-gb", a.device_gb), 1e6, "a million GB on one device")
     for flag in ("mfu", "hfu"):
         if getattr(a, flag) is not None:
             fraction(f"--{flag}", getattr(a, flag), low_open=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from labkit.core.checks import (
+    at_most,
     non_negative_int,
     non_negative_number,
     one_of,
@@ -155,7 +156,7 @@ class TrainConfig:
             positive_int(name, getattr(self, name))
         for name in ("warmup_steps", "save_every", "tp", "pp", "cp", "ep", "dp_shard", "seed"):
             non_negative_int(name, getattr(self, name))
-        positive_number("lr", self.lr)
+        at_most("lr", positive_number("lr", self.lr), 1e3, "AdamW's steps are about lr each: it diverged long before")
         positive_number("bucket_cap_mb", self.bucket_cap_mb)
         non_negative_number("weight_decay", self.weight_decay)
         non_negative_number("link_gbps", self.link_gbps)

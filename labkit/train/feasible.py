@@ -10,28 +10,16 @@ the states divided over the ranks (the most sharding can do).
 """
 from __future__ import annotations
 
+from labkit.core.devices import available_bytes
 from labkit.core.model import GPT, GPTConfig
 from labkit.memory.calculator import GB, activation_bytes_per_layer
 from labkit.train.config import TrainConfig
 
 
-def _available_bytes(device: str) -> int | None:
-    if device == "cuda":
-        import torch
-
-        return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
-    try:
-        with open("/proc/meminfo") as f:
-            line = next(ln for ln in f if ln.startswith("MemAvailable:"))
-        return int(line.split()[1]) * 1024
-    except (OSError, StopIteration, ValueError):
-        return None
-
-
 def check_fits(cfg: TrainConfig, model: GPTConfig, world: int, local_ranks: int) -> None:
     """A ValueError naming the sizes when even the lower bound of the module docstring exceeds the
     memory there is."""
-    available = _available_bytes(cfg.device)
+    available = available_bytes(cfg.device)
     if available is None:
         return
     states = 16 * GPT.count_params(model)

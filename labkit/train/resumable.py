@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
     from torch.optim.lr_scheduler import LRScheduler
 
+    from labkit.fault_tolerance.checkpointer import Checkpointer
     from labkit.train.config import TrainConfig
 
 
@@ -111,15 +112,18 @@ class Resumable:
 
     def abort(self) -> None:
         """The loop failed: give the signals back at once (no saving, no waiting for a save in flight), and
-        the checkpoint directory's lock when no save is in flight (a notebook keeps the failed call's
-        frames, and with them the Checkpointer: the next run in the same kernel would find it locked)."""
+        the checkpoint directory's lock (a notebook keeps the failed call's frames, and with them the
+        Checkpointer: the next run in the same kernel would find it locked). With a save in flight, the
+        lock goes once that save is published, from a thread of its own."""
         if self.handler is not None:
             self.handler.uninstall()
-        if self.ckpt is not None and self.ckpt.pending is None:
-            try:
-                self.ckpt.close()
-            except Exception:  # the loop's own error is the one to report
-                pass
+        if self.ckpt is None:
+            return
+        if self.ckpt.pending is None:
+            _close_quietly(self.ckpt)
+        else:
+            threading.Thread(target=_close_quietly, args=(self.ckpt,), name="labkit-checkpoint-close",
+                             daemon=True).start()
 
     def finish(self) -> dict:
         """Wait for the last save, restore the signal handlers; what the result reports."""
@@ -132,3 +136,10 @@ class Resumable:
                 self.handler.uninstall()
         return {"checkpoints": self.saves, "restored": self.restored, "preempted": self.preempted,
                 "resume_notes": self.notes}
+
+
+def _close_quietly(ckpt: Checkpointer) -> None:
+    try:
+        ckpt.close()
+    except Exception:  # the loop's own error is the one to report
+        pass
