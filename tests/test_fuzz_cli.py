@@ -24,6 +24,12 @@ def paths(tmp_path_factory) -> dict[str, str]:
     return {"DIR": str(root), "FIFO": str(root / "fifo")}
 
 
+@pytest.fixture(autouse=True)
+def elsewhere(tmp_path, monkeypatch):
+    """A taken output folder ("nan", "x", ...) is made where the test runs: not in the checkout."""
+    monkeypatch.chdir(tmp_path)
+
+
 def _value_flags(parser) -> list[str]:
     """The long flags that take a value (not --help, not switches)."""
     return sorted(a.option_strings[-1] for a in parser._actions
@@ -96,3 +102,22 @@ def test_every_lab_parameter_takes_or_refuses_each_hostile_value(capsys, paths, 
         for value in HOSTILE:
             if _taken_or_one_line(capsys, cli.main, ["run", "data_parallel", "-p", key, paths.get(value, value)]):
                 assert all(not isinstance(v, float) or math.isfinite(v) for v in ran[-1].values()), (key, value)
+
+
+def test_every_planner_flag_takes_or_refuses_each_hostile_value(capsys, paths, monkeypatch):
+    import labkit.planning.plan_cli as plan_cli
+
+    monkeypatch.setattr(plan_cli, "search", lambda *a, **kw: [])  # a taken value: no layouts, no search
+    for flag in _value_flags(plan_cli.build_parser()):
+        for value in HOSTILE:
+            _taken_or_one_line(capsys, plan_cli.main, [flag, paths.get(value, value)])
+
+
+def test_every_gpu_check_flag_takes_or_refuses_each_hostile_value(capsys, paths):
+    from labkit.labs.gpu_check import _parser, _setting
+
+    ap = _parser()
+    for flag in _value_flags(ap):
+        for value in HOSTILE:
+            _taken_or_one_line(capsys, lambda argv: _setting(ap, ap.parse_args(argv)),
+                               ["--device", "cpu", flag, paths.get(value, value)])

@@ -113,6 +113,7 @@ def test_every_command_checks_its_output_path_first(module, argv, message, tmp_p
     ({"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' must be a whole number"),
     ({"RANK": "0", "WORLD_SIZE": "1", "LABKIT_THREADS": "two"}, "LABKIT_THREADS='two' must be a whole number"),
     ({"RANK": "0", "WORLD_SIZE": "1", "LABKIT_THREADS": "0"}, "LABKIT_THREADS=0 must be at least 1"),
+    ({"LABKIT_PROGRESS": "yes"}, "LABKIT_PROGRESS='yes' must be 1"),
 ])
 def test_torchrun_variables_are_checked_and_named(env, message, monkeypatch, capsys):
     from labkit.train.cli import main

@@ -53,9 +53,12 @@ def in_notebook() -> bool:
 def wanted(steps: int | None) -> bool:
     """Whether a run of ``steps`` should show a bar here (module docstring); ``LABKIT_PROGRESS``
     decides when it is set."""
-    env = os.environ.get(ENV)
+    env = os.environ.get(ENV) or None  # empty: unset (a job script's unset variable)
     if env in ("0", "1"):
         return env == "1"
+    if env is not None:
+        raise ValueError(f"{ENV}={env!r} must be 1 (draw progress bars) or 0 (none), or unset (bars where a "
+                         "person is looking)")
     if in_notebook():
         return True
     return sys.stderr.isatty() and (steps or 0) >= LONG_RUN

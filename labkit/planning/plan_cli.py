@@ -12,7 +12,7 @@ import dataclasses
 import json
 import re
 
-from labkit.core.checks import positive_int, positive_number
+from labkit.core.checks import at_most, positive_count, positive_int, positive_number
 from labkit.core.cli import ArgumentParser
 from labkit.planning.cli import _shape, _shape_flags
 from labkit.planning.hardware import HARDWARE, hardware
@@ -71,21 +71,26 @@ def _published(as_json: bool) -> int:
     return 0
 
 
+MAX_DEVICES = 10**6
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
     if a.published:
         return _published(a.json)
     try:
-        positive_int("--devices", a.devices)
+        # the search enumerates the divisors of the device count: a million devices takes seconds
+        at_most("--devices", positive_int("--devices", a.devices), MAX_DEVICES, "the largest runs use ~1e5")
         positive_int("--top", a.top)
         if a.device_gb is not None:
-            positive_number("--device-gb", a.device_gb)
+            at_most("--device-gb", positive_number("--device-gb", a.device_gb), 1e6, "a million GB on one device")
         shape = _shape(argparse.Namespace(**{**vars(a), "model": a.model if any(
             getattr(a, f) is not None for f in ("hidden", "layers", "heads")) else (a.model or "llama3-8b")}))
         if a.seq_len is not None:
-            shape = dataclasses.replace(shape, seq_len=positive_int("--seq-len", a.seq_len))
+            shape = dataclasses.replace(shape, seq_len=positive_count("--seq-len", a.seq_len))
         batch = tokens(a.global_batch) if a.global_batch is not None else 512 * shape.seq_len
+        positive_count("--global-batch", batch)
         if batch % shape.seq_len:
             raise ValueError(f"--global-batch={a.global_batch} must be a whole number of {shape.seq_len}-token "
                              f"sequences (for example {max(1, batch // shape.seq_len) * shape.seq_len:,})")
