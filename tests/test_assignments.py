@@ -289,7 +289,7 @@ def test_validator_passes_the_instructor_notebook_and_fails_the_students(graded)
     assert bad.get("failed"), bad
 
 
-def test_bad_lab_and_missing_exercise_are_named(tmp_path):
+def test_bad_lab_and_missing_exercise_are_named(tmp_path, capsys):
     with pytest.raises(ValueError, match=re.escape(f"lab='nope' does not exist; valid labs: {LABS}")):
         exercise_cells("nope")
     (tmp_path / "bare.md").write_text("# Lab: bare\n\n```{code-cell} ipython3\nx = 1\n```\n")
@@ -297,7 +297,14 @@ def test_bad_lab_and_missing_exercise_are_named(tmp_path):
         exercise_cells("bare", tmp_path)
     with pytest.raises(ValueError, match="has no nbgrader_config.py"):
         nbgrader(tmp_path, "--version")
-    assert main(["nope", "--course", str(tmp_path), "--source-only"]) == 1
+    for argv, words in ((["nope", "--course", str(tmp_path)], "no such lab(s) ['nope']; valid labs"),
+                        (["memory", "--course", ""], "--course='' is empty"),
+                        (["memory", "--course", "/proc/nope"], "is not a writable directory")):
+        with pytest.raises(SystemExit) as stop:
+            main([*argv, "--source-only"])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert not (tmp_path / "source").exists()
 
 
 def test_course_config_reads_course_id_and_exchange_from_the_environment(monkeypatch):

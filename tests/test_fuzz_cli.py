@@ -121,3 +121,12 @@ def test_every_gpu_check_flag_takes_or_refuses_each_hostile_value(capsys, paths)
         for value in HOSTILE:
             _taken_or_one_line(capsys, lambda argv: _setting(ap, ap.parse_args(argv)),
                                ["--device", "cpu", flag, paths.get(value, value)])
+
+
+def test_every_assignments_flag_takes_or_refuses_each_hostile_value(capsys, paths, monkeypatch):
+    import labkit.labs.assignments as assignments
+
+    monkeypatch.setattr(assignments, "write_sources", lambda labs, course: [course / lab for lab in labs])
+    for value in HOSTILE:
+        for argv in (["memory", "--course", paths.get(value, value)], [paths.get(value, value), "--course", "."]):
+            _taken_or_one_line(capsys, assignments.main, [*argv, "--source-only"])

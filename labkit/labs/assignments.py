@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from labkit.core.checks import output_dir
 from labkit.core.cli import ArgumentParser
 from labkit.labs.runner import LABS_DIR, ROOT, list_labs
 
@@ -167,11 +168,18 @@ def generate(labs: list[str] | None = None, course_dir: Path = COURSE_DIR, labs_
 def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="python -m labkit.labs.assignments", description=__doc__.splitlines()[0])
     ap.add_argument("labs", nargs="*", help="lab names (default: all)")
-    ap.add_argument("--course", type=Path, default=COURSE_DIR, help="the nbgrader course directory")
+    ap.add_argument("--course", default=str(COURSE_DIR), help="the nbgrader course directory")
     ap.add_argument("--source-only", action="store_true", help="write the source notebooks, skip nbgrader")
     args = ap.parse_args(argv)
-    try:
+    try:  # what was asked for, before anything is written
+        args.course = output_dir("--course", args.course)
         labs = args.labs or list_labs()
+        unknown = sorted(set(labs) - set(list_labs()))
+        if unknown:
+            raise ValueError(f"no such lab(s) {unknown}; valid labs: {list_labs()}")
+    except ValueError as e:
+        ap.error(str(e))
+    try:
         if args.source_only:
             paths = write_sources(labs, args.course)
         else:
