@@ -7,7 +7,10 @@ import os
 from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
 from nbgrader.preprocessors import GetGrades
 
-from labkit.labs.feedback import FeedbackWithoutHiddenTests
+try:
+    from labkit.labs.feedback import FeedbackWithoutHiddenTests
+except ImportError as e:  # traitlets would log it and go on without this file: feedback with hidden tests
+    raise SystemExit(f"course/nbgrader_config.py needs labkit (pip install -e the course): {e}") from None
 
 c = get_config()  # noqa: F821 - provided by nbgrader when it loads this file
 

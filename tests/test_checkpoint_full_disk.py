@@ -24,7 +24,8 @@ def small_disk(tmp_path):
     where.mkdir()
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(where)], capture_output=True, text=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(where)],
+                          capture_output=True, text=True)
     if done.returncode != 0:
         pytest.skip(f"this container may not mount a tmpfs: {done.stderr.strip()}")
     try:
@@ -49,7 +50,7 @@ def _fill(disk, leave: int) -> None:
 @pytest.mark.parametrize("async_save", [False, True])
 def test_every_level_of_free_space_publishes_or_fails_cleanly(small_disk, async_save):
     ckpt_dir = small_disk / "ckpt"
-    outcomes = {"saved": 0, "refused": 0}
+    outcomes = []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         warnings.filterwarnings("ignore", message=".*retiring old checkpoints failed")
@@ -64,14 +65,17 @@ def test_every_level_of_free_space_publishes_or_fails_cleanly(small_disk, async_
                     ckpt.save(step, _state(step))
                     ckpt.wait()
                     good = step
-                    outcomes["saved"] += 1
+                    outcomes.append("saved")
                 except CheckpointError as e:
-                    assert "MiB free on its filesystem: full?" in str(e), str(e)[:500]
-                    outcomes["refused"] += 1
+                    # torch's zip writer says "unexpected pos 704 vs 598" of a full disk: the message
+                    # adds what was free
+                    assert " MiB free on its filesystem]" in str(e), str(e)[:500]
+                    outcomes.append("refused")
                 (small_disk / "filler").unlink()
                 # a step published on a full disk may keep its predecessor: retiring it comes after
                 # the publish, and may fail there (a warning; loading does not need it)
                 assert ckpt.steps()[-1] == good and not list(ckpt_dir.glob(".tmp-*")), (leave, ckpt.steps())
                 got, state = ckpt.load_latest()
                 assert got == good and torch.equal(state["w"], _state(good)["w"]), leave
-    assert outcomes["saved"] and outcomes["refused"], outcomes  # the sweep crossed the line
+    # refused while the state did not fit, saved from where it did: the sweep crossed the line once
+    assert outcomes == sorted(outcomes) and len(set(outcomes)) == 2, outcomes  # "refused" < "saved"

@@ -159,7 +159,7 @@ def test_fp8_under_ddp_and_fsdp_equals_one_process(strategy):
                      quiet=True)[0]["loss"]
         dev[precision] = max(abs(a - b) for a, b in zip(got, ref))
         assert dev[precision] < tol, (precision, dev)
-    assert dev["fp8"] > 10 * dev["fp8-block"], dev
+    assert dev["fp8"] > 2 * dev["fp8-block"], dev  # 28x and 150x measured on two hosts
 
 
 def test_fsdp_gathers_in_fp8_send_a_quarter_less():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import secrets
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,8 @@ import pytest
 
 from labkit.labs.assignments import COURSE_DIR, generate, nbgrader
 
-INSTRUCTOR, ALICE, BOB = "lab-instructor", "lab-alice", "lab-bob"
+_RUN = secrets.token_hex(3)  # user names of this run only
+INSTRUCTOR, ALICE, BOB = f"lt{_RUN}teach", f"lt{_RUN}alice", f"lt{_RUN}bob"
 COURSE = "training-at-scale"
 LAB = "memory"  # the quickest lab to grade
 
@@ -30,10 +32,10 @@ TOOLS: dict[str, Path] = {}
 
 
 def _run(user: str, *cmd: str, cwd: Path, ok: bool = True) -> subprocess.CompletedProcess:
-    env = {"PATH": f"{TOOLS['bin']}:/usr/bin:/bin", "PYTHONPATH": str(TOOLS["site"]), "HOME": f"/home/{user}",
+    env = {"PATH": f"{TOOLS['bin']}:/usr/bin:/bin", "PYTHONPATH": str(TOOLS["site"]), "HOME": str(_home(user)),
            "USER": user, "LABKIT_THREADS": "1", "JUPYTER_PATH": str(Path(sys.prefix) / "share" / "jupyter")}
-    proc = subprocess.run([shutil.which("runuser"), "-u", user, "--", *cmd], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([shutil.which("runuser"), "-u", user, "--", *cmd], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
     if ok:
         assert proc.returncode == 0, (cmd, proc.stdout[-2000:], proc.stderr[-3000:])
     return proc
@@ -58,46 +60,54 @@ def _chown_to(folder: Path, user: str) -> None:
             os.chown(p, pw.pw_uid, pw.pw_gid)
 
 
+def _home(user: str) -> Path:
+    return Path(pwd.getpwnam(user).pw_dir)
+
+
 @pytest.fixture(scope="module")
 def term():
     if os.geteuid() != 0 or shutil.which("useradd") is None or shutil.which("runuser") is None:
         pytest.skip("creating unix users needs root and useradd/runuser (CI runs as root)")
     if not SYSTEM_PYTHON.is_file():
         pytest.skip(f"the users need a Python they may run: {SYSTEM_PYTHON} is missing")
-    for user in (INSTRUCTOR, ALICE, BOB):
-        subprocess.run(["userdel", "-r", user], capture_output=True)
-        subprocess.run(["useradd", "-m", user], check=True, capture_output=True)
     root = Path(tempfile.mkdtemp(prefix="labkit-term-", dir="/tmp"))
-    root.chmod(0o755)
-    TOOLS.update(bin=root / "bin", site=root / "site")
-    TOOLS["bin"].mkdir(), TOOLS["site"].mkdir()
-    site_packages = next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix))
-    (TOOLS["site"] / "sitecustomize.py").write_text(  # ahead of the system's dist-packages (Debian's bs4, ...)
-        f"import site, sys\nbefore = list(sys.path)\nsite.addsitedir({site_packages!r})\n"
-        "sys.path[:] = [p for p in sys.path if p not in before] + before\n")
-    for name, line in (("python", f'exec {SYSTEM_PYTHON} "$@"'), ("alembic", f'exec {SYSTEM_PYTHON} -m alembic "$@"')):
-        (TOOLS["bin"] / name).write_text(f"#!/bin/sh\n{line}\n")
-        (TOOLS["bin"] / name).chmod(0o755)
-    exchange = root / "exchange"  # what the chapter creates: world-writable, nbgrader sets the rest
-    exchange.mkdir()
-    exchange.chmod(0o777)
-    course = Path(f"/home/{INSTRUCTOR}/course")
-    course.mkdir()
-    shutil.copy(COURSE_DIR / "nbgrader_config.py", course)
-    generate([LAB], course)
-    _chown_to(course, INSTRUCTOR)
-    course.chmod(0o700)  # the chapter's step: a home may be world-readable (Debian's useradd: 755)
+    made: list[str] = []
     try:
+        for user in (INSTRUCTOR, ALICE, BOB):  # names of this run only: no existing account is touched
+            subprocess.run(["useradd", "-m", "-c", "labkit test user", user], check=True, capture_output=True)
+            made.append(user)
+            _home(user).chmod(0o700)  # the chapter's step: Debian's useradd makes homes readable by all
+        root.chmod(0o755)
+        TOOLS.update(bin=root / "bin", site=root / "site")
+        TOOLS["bin"].mkdir(), TOOLS["site"].mkdir()
+        site_packages = next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix))
+        (TOOLS["site"] / "sitecustomize.py").write_text(  # ahead of the system's dist-packages (Debian's bs4)
+            f"import site, sys\nbefore = list(sys.path)\nsite.addsitedir({site_packages!r})\n"
+            "sys.path[:] = [p for p in sys.path if p not in before] + before\n")
+        for name, line in (("python", f'exec {SYSTEM_PYTHON} "$@"'),
+                           ("alembic", f'exec {SYSTEM_PYTHON} -m alembic "$@"')):
+            (TOOLS["bin"] / name).write_text(f"#!/bin/sh\n{line}\n")
+            (TOOLS["bin"] / name).chmod(0o755)
+        exchange = root / "exchange"  # the chapter's: writable by all, sticky; nbgrader sets the rest
+        exchange.mkdir()
+        exchange.chmod(0o1777)
+        course = _home(INSTRUCTOR) / "course"
+        course.mkdir()
+        shutil.copy(COURSE_DIR / "nbgrader_config.py", course)
+        generate([LAB], course)
+        _chown_to(course, INSTRUCTOR)
         yield dict(root=root, exchange=exchange, course=course)
     finally:
-        for user in (INSTRUCTOR, ALICE, BOB):
-            subprocess.run(["userdel", "-r", user], capture_output=True)
+        for user in made:
+            subprocess.run(["pkill", "-KILL", "-u", user], capture_output=True)  # a kernel left running
+            gone = subprocess.run(["userdel", "-r", user], capture_output=True, text=True)
+            assert gone.returncode in (0, 12), gone.stderr  # 12: the home was already removed
         shutil.rmtree(root, ignore_errors=True)
 
 
 def test_a_term_with_a_user_per_person_keeps_each_students_work_their_own(term):
     ex, course = term["exchange"], term["course"]
-    alice, bob = Path(f"/home/{ALICE}"), Path(f"/home/{BOB}")
+    alice, bob = _home(ALICE), _home(BOB)
     course_flag = f"--course={COURSE}"
     _nbgrader(INSTRUCTOR, "release_assignment", LAB, "--force", cwd=course, exchange=ex)
     _nbgrader(ALICE, "fetch_assignment", LAB, course_flag, cwd=alice, exchange=ex)
@@ -112,6 +122,8 @@ def test_a_term_with_a_user_per_person_keeps_each_students_work_their_own(term):
         "list the submissions": f"import os; print(os.listdir({str(ex / COURSE / 'inbound')!r}))",
         "read the sources": f"open({str(course / 'source' / LAB / f'{LAB}.ipynb')!r}).read()",
         "read the gradebook": f"open({str(course / 'gradebook.db')!r}, 'rb').read()",
+        "replace the course's exchange folder": f"import os; os.rename({str(ex / COURSE)!r}, {str(ex / 'x')!r})",
+        "read the other's notebook at home": f"open({str(alice / LAB / f'{LAB}.ipynb')!r}).read()",
     }
     refused = {what: _refused(BOB, code, bob) for what, code in attempts.items()}
     (submitted,) = [p for p in (ex / COURSE / "inbound").iterdir() if p.name.startswith(ALICE)]
@@ -137,4 +149,4 @@ def test_a_term_with_a_user_per_person_keeps_each_students_work_their_own(term):
     _nbgrader(ALICE, "fetch_feedback", LAB, course_flag, cwd=alice, exchange=ex)
     page = next((alice / LAB / "feedback").rglob("*.html")).read_text()
     assert "HIDDEN TESTS" not in page and "Score" in page
-    assert len(refused) == 8, refused
+    assert len(refused) == 10, refused

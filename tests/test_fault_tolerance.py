@@ -416,8 +416,8 @@ def test_resume_is_bit_exact_after_kills_under_torchrun(tmp_path):
 
 
 def test_the_soak_ten_kills_at_random_steps_end_bit_exact(tmp_path):
-    """Issue 29's soak: ten SIGKILLs, each of a random rank at a random step (some just after a save,
-    some with an async save in flight), in one run under torchrun --max-restarts 12; it ends
+    """Issue 29's soak: ten SIGKILLs, each of a random rank at a random step (just after an async save
+    was started, or a step later), in one run under torchrun --max-restarts 12; it ends
     bit-identical to an uninterrupted run, having restored ten times."""
     steps, kills = 24, 10
     rng = random.Random("soak")

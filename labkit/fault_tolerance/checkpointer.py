@@ -259,7 +259,8 @@ class Checkpointer(Closing):
             except (CheckpointError, dcp.CheckpointException, FileNotFoundError) as e:  # DCP's is a BaseException
                 problems = [f"refused to load: {describe(e)}"]
             if problems and self.readonly and not path.exists() and len(skipped) < 100:
-                steps = list(reversed(self.steps()))  # the writer retired or re-saved it: look again
+                damaged = {s for s, why in skipped if not why.startswith("retired")}
+                steps = [s for s in reversed(self.steps()) if s not in damaged]  # retired or re-saved: look again
                 skipped.append((step, "retired by the writer while it was read"))
                 continue
             if problems:

@@ -56,8 +56,8 @@ def published_steps(directory: Path) -> list[int]:
 def readable_steps(directory: Path) -> list[int]:
     """What a reader may load, oldest first: the published steps, and a step whose re-save was
     interrupted, whose only complete copy is ``.old-step_X`` until a writer puts it back."""
-    old = (m.group(2) for m in (LEFTOVER.fullmatch(p.name) for p in directory.iterdir() if p.is_dir())
-           if m is not None and m.group(1) == "old")
+    old = (m.group(2) for m in (LEFTOVER.fullmatch(p.name) for p in directory.iterdir()
+                                if p.is_dir() and not p.is_symlink()) if m is not None and m.group(1) == "old")
     return sorted(set(published_steps(directory)) | {s for s in map(_step_of, old) if s is not None})
 
 
@@ -197,7 +197,11 @@ def publish(directory: Path, tmp: Path, final: Path) -> None:
         os.rename(final, old)
     os.rename(tmp, final)  # the instant the checkpoint becomes visible, complete
     fsync_dir(directory)
-    shutil.rmtree(old, ignore_errors=True)
+    if old.exists():  # out of a reader's sight in one rename, then deleted (a reader re-lists)
+        trash = directory / f".trash-{final.name}"
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(old, trash)
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def point_latest(directory: Path, name: str) -> None:

@@ -65,7 +65,7 @@ def free_space(directory: str | os.PathLike) -> str:
         free = shutil.disk_usage(directory).free
     except OSError:
         return ""
-    return f" [{free / 2**20:,.1f} MiB free on its filesystem{': full?' if free < 64 * 2**20 else ''}]"
+    return f" [{free / 2**20:,.1f} MiB free on its filesystem]"
 
 
 def file_digest(path: str | os.PathLike, algo: str | None = None, chunk: int = 8 << 20) -> str:

@@ -172,11 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--source-only", action="store_true", help="write the source notebooks, skip nbgrader")
     args = ap.parse_args(argv)
     try:  # what was asked for, before anything is written
-        args.course = output_dir("--course", args.course)
         labs = args.labs or list_labs()
         unknown = sorted(set(labs) - set(list_labs()))
         if unknown:
             raise ValueError(f"no such lab(s) {unknown}; valid labs: {list_labs()}")
+        args.course = output_dir("--course", args.course)
     except ValueError as e:
         ap.error(str(e))
     try:

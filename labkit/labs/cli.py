@@ -24,13 +24,18 @@ def parse_value(text: str) -> Any:
         return {"True": True, "False": False, "None": None}.get(text, text)
 
 
-def _key_value(given: list[str]) -> tuple[str, object]:
-    """``-p KEY VALUE`` (papermill's form) or ``-p KEY=VALUE``, the value read by :func:`parse_value`."""
-    if len(given) == 1 and "=" in given[0]:
-        given = given[0].split("=", 1)
-    if len(given) != 2 or not given[0]:
-        raise ValueError(f"-p {' '.join(given)}: give a parameter as -p KEY VALUE or -p KEY=VALUE (e.g. -p steps 5)")
-    return given[0], parse_value(given[1])
+def _split_key_values(argv: list[str]) -> list[str]:
+    """``-p KEY=VALUE`` as ``-p KEY VALUE`` (papermill's form, which argparse reads); an empty key is
+    left for the check of keys to name."""
+    out, i = [], 0
+    while i < len(argv):
+        out.append(argv[i])
+        if argv[i] in ("-p", "--parameter") and i + 1 < len(argv) and "=" in argv[i + 1] \
+                and not argv[i + 1].startswith("-"):
+            out += argv[i + 1].split("=", 1)
+            i += 1
+        i += 1
+    return out
 
 
 def check_gpus_here(lab: str, profile: str, gpus: int | None, overrides: dict) -> None:
@@ -81,7 +86,7 @@ def _parser() -> ArgumentParser:
                    "(CPU profiles; their timings then share the cores)")
     r.add_argument("--as-script", action="store_true", help="run the lab's cells in order without Jupyter "
                    "(for machines without papermill or a kernel); writes the metrics JSON only")
-    r.add_argument("-p", "--parameter", nargs="+", action="append", default=[], metavar="KEY VALUE",
+    r.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
                    help="override one of the profile's parameters, as papermill's -p does: -p steps 5 -p lr 1e-3 "
                    "(or -p steps=5; VALUE read as JSON: numbers, true/false, lists; otherwise a string); checked "
                    "before any lab runs")
@@ -117,7 +122,7 @@ def _parser() -> ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
-    args = ap.parse_args(argv)
+    args = ap.parse_args(_split_key_values(sys.argv[1:] if argv is None else list(argv)))
     if args.cmd in ("compare", "baseline"):
         return _compare_or_baseline(ap, args)
     if args.cmd == "flags":
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(PROFILES, indent=1))
         return 0
     try:
-        overrides = dict(_key_value(p) for p in args.parameter)
+        overrides = {key: parse_value(value) for key, value in args.parameter}
         names = args.labs or list_labs()
         output_dir("--out", args.out)
         if args.gpus is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from labkit.core.checks import positive_int
+from labkit.core.checks import MAX_COUNT, brief, positive_int
 from labkit.labs.profiles import PROFILES
 
 
@@ -41,7 +41,7 @@ def check_override(key: str, value: Any, default: Any) -> None:
     where a float is expected is fine) and a sensible range: counts at least 1, fractions in [0, 1),
     no negative number where the profile's is not negative."""
     def named(kind: str) -> str:
-        return f"OVERRIDES[{key!r}]={value!r} must be {kind} (the profile has {default!r})"
+        return f"OVERRIDES[{key!r}]={brief(value)} must be {kind} (the profile has {default!r})"
 
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if isinstance(default, bool):
@@ -61,8 +61,10 @@ def check_override(key: str, value: Any, default: Any) -> None:
         raise ValueError(named("a whole number" if key in COUNTS else kinds.get(type(default), type(default).__name__)))
     if not number:
         return
-    if not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(named("finite"))
+    if abs(value) > MAX_COUNT:
+        raise ValueError(named(f"at most {MAX_COUNT:.0e} in size"))
     if key in COUNTS and value < 1:
         raise ValueError(named("a whole number of at least 1"))
     if key in FRACTIONS and not 0 <= value < 1:

@@ -19,7 +19,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from labkit.core.checks import MAX_COUNT
+from labkit.core.checks import MAX_COUNT, brief
 from labkit.memory.architecture import ModelShape
 
 MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "gpt2": "gpt"}
@@ -48,7 +48,7 @@ def _get(cfg: dict, key: str, where: str, default=None, kind=int):
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ValueError(f"{where}: {key} must be an integer, got {value!r}")
     if kind is int and not 0 <= value <= MAX_COUNT:
-        raise ValueError(f"{where}: {key} must be between 0 and {MAX_COUNT:.0e}, got {value:.3g}")
+        raise ValueError(f"{where}: {key} must be between 0 and {MAX_COUNT:.0e}, got {brief(value)}")
     if kind is bool and not isinstance(value, bool):
         raise ValueError(f"{where}: {key} must be true or false, got {value!r}")
     return value

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 
 from labkit.core.checks import at_most, positive_count, positive_int, positive_number
@@ -30,7 +31,7 @@ def tokens(text: str) -> int:
         value = float(m[1]) * SUFFIX[m[2]] if m else float("nan")
     except ValueError:
         value = float("nan")
-    if not value > 0:
+    if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"--global-batch={text!r} must be a positive number of tokens, such as 4M, 512k or 4e6")
     return int(value)
 
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.seq_len is not None:
             shape = dataclasses.replace(shape, seq_len=positive_count("--seq-len", a.seq_len))
         batch = tokens(a.global_batch) if a.global_batch is not None else 512 * shape.seq_len
-        positive_count("--global-batch", batch)
+        positive_count("--global-batch" if a.global_batch is not None else "the default --global-batch "
+                       "(512 sequences of --seq-len)", batch)
         if batch % shape.seq_len:
             raise ValueError(f"--global-batch={a.global_batch} must be a whole number of {shape.seq_len}-token "
                              f"sequences (for example {max(1, batch // shape.seq_len) * shape.seq_len:,})")

@@ -16,7 +16,7 @@ import re
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from labkit.core.checks import output_dir, output_file
+from labkit.core.checks import existing_file, output_dir, output_file
 from labkit.core.cli import ArgumentParser
 from labkit.core.model import GPTConfig
 from labkit.fault_tolerance.errors import CheckpointError
@@ -120,7 +120,7 @@ def _configs(parser: argparse.ArgumentParser, args: dict) -> tuple[TrainConfig, 
     try:
         tc = TrainConfig(**{f.name: args[f.name] for f in fields(TrainConfig) if f.name in args})
         mc = GPTConfig(**{f.name: args[f.name] for f in fields(GPTConfig)})
-        if args["corpus"] is not None and not Path(args["corpus"]).is_file():
+        if args["corpus"] is not None and not existing_file("corpus", args["corpus"]):
             raise ValueError(f"corpus={args['corpus']!r} is not a file; pass the path of a text file, or leave "
                              "--corpus out for the shipped corpus")
         for name, directory in (("checkpoint_dir", tc.checkpoint_dir), ("step_log", tc.step_log and

@@ -12,11 +12,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from labkit.core.checks import (
+    MAX_COUNT,
     at_most,
     non_negative_int,
     non_negative_number,
     one_of,
     positive_int,
+    positive_count,
     positive_number,
 )
 from labkit.core.devices import DEVICE_TYPES, check_device
@@ -153,9 +155,11 @@ class TrainConfig:
             given = self.dp_replicate != 1 or any(getattr(self, d) for d in ("dp_shard", "tp", "pp", "cp", "ep"))
             self.strategy = "mesh" if given else "single"
         for name in ("steps", "batch_size", "grad_accum", "keep_last", "microbatches", "replicas", "dp_replicate"):
-            positive_int(name, getattr(self, name))
+            positive_count(name, getattr(self, name))
         for name in ("warmup_steps", "save_every", "tp", "pp", "cp", "ep", "dp_shard", "seed"):
             non_negative_int(name, getattr(self, name))
+            if name != "seed" and getattr(self, name) > MAX_COUNT:
+                positive_count(name, getattr(self, name))  # its message: at most MAX_COUNT
         at_most("lr", positive_number("lr", self.lr), 1e3, "AdamW's steps are about lr each: it diverged long before")
         positive_number("bucket_cap_mb", self.bucket_cap_mb)
         non_negative_number("weight_decay", self.weight_decay)

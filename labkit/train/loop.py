@@ -145,10 +145,10 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
             "model": model_cfg.to_dict(), "reshardable": plan.spec.reshardable, "layout": dims.degrees.label(),
             "precision": cfg.precision, "lr_schedule": cfg.lr_schedule, "lr": cfg.lr}
     engine = plan.engine
+    show = cfg.progress if cfg.progress is not None else progress.wanted(cfg.steps)  # before the lock is taken
     ft = Resumable(cfg, meta, None if engine else plan.module, None if engine else plan.optimizer,
                    None if engine else plan.scheduler, engine, plan.scaler, plan.placed.state_aliases)
     start, losses = ft.start()
-    show = cfg.progress if cfg.progress is not None else progress.wanted(cfg.steps)
     bar = progress.bar(cfg.steps, f"{cfg.strategy} x{world}", show and rank == 0, initial=start)
     probe = Probe(plan, cfg.steps)
     try:

@@ -121,8 +121,8 @@ class Resumable:
             return
         if self.ckpt.pending is None:
             _close_quietly(self.ckpt)
-        else:
-            threading.Thread(target=_close_quietly, args=(self.ckpt,), name="labkit-checkpoint-close",
+        else:  # the lock only: the process groups are the caller's to tear down, from its own thread
+            threading.Thread(target=_release_when_saved, args=(self.ckpt,), name="labkit-checkpoint-close",
                              daemon=True).start()
 
     def finish(self) -> dict:
@@ -143,3 +143,13 @@ def _close_quietly(ckpt: Checkpointer) -> None:
         ckpt.close()
     except Exception:  # the loop's own error is the one to report
         pass
+
+
+def _release_when_saved(ckpt: Checkpointer) -> None:
+    try:
+        ckpt.wait()
+    except BaseException:  # noqa: BLE001 - the loop's own error is the one to report
+        pass
+    finally:
+        if ckpt.lock is not None:
+            ckpt.lock.release()
