@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from labkit.labs.metric_kinds import EXACT, MACHINE_KEYS, OTHER_MACHINE_REL, Kind, close, kind_of
+from labkit.labs.metric_kinds import FROM_FLOATS, MACHINE_KEYS, Kind, close, kind_of
 
 BASELINE_DIR = Path(__file__).resolve().parent.parent.parent / "labs" / "baseline"
 Scalar = float | int | str | bool | None
@@ -76,6 +76,10 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _has_float(*values: Any) -> bool:
+    return any(isinstance(v, float) or isinstance(v, list) and _has_float(*v) for v in values)
+
+
 def _within(old: Any, new: Any, kind: Kind) -> bool:
     """Whether ``new`` is ``old`` up to ``kind``'s tolerance (element by element for a series)."""
     if isinstance(old, list) or isinstance(new, list):
@@ -120,8 +124,9 @@ def compare(base: dict[str, dict], run: dict[str, dict], timings: float | None =
                 bad = held and not _within(a, b, close(rel=timings))
                 out.changes.append(Change(lab, path, kind.name, "moved", a, b, regression=bad))
                 continue
-            if kind == EXACT and other:
-                kind = close(rel=OTHER_MACHINE_REL)
+            if other and (_has_float(a, b) or kind == FROM_FLOATS):  # metric_kinds' docstring says why
+                out.changes.append(Change(lab, path, "other machine", "moved", a, b))
+                continue
             out.changes.append(Change(lab, path, kind.name, "changed", a, b, regression=not _within(a, b, kind)))
     return out
 
@@ -140,8 +145,9 @@ def summary(c: Comparison, timing_lines: bool = False) -> list[str]:
         moved = sum(ch.kind == "timing" and not ch.regression for ch in mine)
         added = sum(ch.what == "added" for ch in mine)
         state = f"{len(bad)} regression(s)" if bad else "as the baseline"
-        note = " (baseline from another machine: floats held to rel %g)" % OTHER_MACHINE_REL \
-            if lab in c.other_machine else ""
+        floats = sum(ch.kind == "other machine" for ch in mine)
+        note = (f" (baseline from another machine: {floats} float(s) moved, reported, not held; "
+                "`make baseline` here holds them)") if lab in c.other_machine else ""
         lines.append(f"{lab}: {state}; {c.held.get(lab, 0)} metrics held, {moved} timing(s) moved, "
                      f"{added} added{note}")
         for ch in mine:

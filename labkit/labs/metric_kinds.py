@@ -3,9 +3,13 @@
 A regression run (:mod:`labkit.labs.compare`) holds a lab's metrics against a baseline by kind:
 
 * **exact**: bytes, counts, formulas, shapes, and on the same machine the losses and parameter
-  differences of a seeded CPU run. Any change is a regression. A float from another machine (another
-  CPU instruction set or thread count, :data:`MACHINE_KEYS`) is held to :data:`OTHER_MACHINE_REL`
-  instead: the same program sums in another order there.
+  differences of a seeded CPU run. Any change is a regression. Against a baseline from another
+  machine (another CPU instruction set or thread count, :data:`MACHINE_KEYS`) only what is exact
+  everywhere is held (integers, strings, booleans); its floats, and :data:`FROM_FLOATS` metrics,
+  are reported as moved. The same program sums in another order there, and training amplifies it:
+  between an AVX2 and an AVX-512 host 619 floats of the ci baseline moved by more than 1e-4, by up
+  to 3% (the fine-tuning lab's noise-scale statistics), so no tolerance tells such a move from a
+  regression. ``make baseline`` on the new machine holds them again.
 * **close**: reproducible up to a stated tolerance.
 * **context**: what the run ran on (``environment``: versions, instruction set); reported.
 * **timing**: measured time, or a quantity derived from it (a rate, a fit, a verdict chosen by a
@@ -31,6 +35,9 @@ class Kind:
 
 
 EXACT = Kind("exact")
+# exact on one machine, but made from floats though it is not one (text a model sampled): against
+# another machine's baseline it is reported with the floats
+FROM_FLOATS = Kind("exact, from floats")
 TIMING = Kind("timing")
 CONTEXT = Kind("context")
 
@@ -39,10 +46,9 @@ def close(rel: float = 0.0, abs: float = 0.0) -> Kind:
     return Kind("close", rel, abs)
 
 
-# What makes a float from one machine differ from another's in the last bits, though the program is
-# the same: the compare command treats a baseline from another machine as close, not exact.
+# What makes a float from one machine differ from another's, though the program is the same: against
+# a baseline from another machine the compare command reports floats rather than holding them.
 MACHINE_KEYS = ("cpu_capability", "threads", "machine")
-OTHER_MACHINE_REL = 1e-4
 
 # By any key of a path, in every lab: what is measured in time, or derived from a time.
 ANY_LAB: list[tuple[str, Kind]] = [(p, TIMING) for p in (
@@ -89,6 +95,7 @@ LABS: dict[str, list[tuple[str, Kind]]] = {
                                               "recorded/dev_n_memory_bound", "recorded/dev_gflops",
                                               "recorded/dev_gbps", "recorded/dev_ridge", "recorded/dev_*_of_roof",
                                               "recorded/dev_time_memory_share", "recorded/dev_fusion_speedup")],
+    "finetuning": [("samples/*", FROM_FLOATS)],
     "packing": [("training/*/loss", EXACT), ("training/*/padding", EXACT), ("training/*/real_tokens", EXACT),
                 ("training/*/slots", EXACT), ("training/*", TIMING), ("bench/*/seconds", TIMING),
                 ("pack/seconds", TIMING), ("speedup_real_tokens", TIMING), ("recorded/pk_bench_*_x", TIMING),
