@@ -156,10 +156,9 @@ class TrainConfig:
             self.strategy = "mesh" if given else "single"
         for name in ("steps", "batch_size", "grad_accum", "keep_last", "microbatches", "replicas", "dp_replicate"):
             positive_count(name, getattr(self, name))
-        for name in ("warmup_steps", "save_every", "tp", "pp", "cp", "ep", "dp_shard", "seed"):
-            non_negative_int(name, getattr(self, name))
-            if name != "seed" and getattr(self, name) > MAX_COUNT:
-                positive_count(name, getattr(self, name))  # its message: at most MAX_COUNT
+        for name in ("warmup_steps", "save_every", "tp", "pp", "cp", "ep", "dp_shard"):
+            at_most(name, non_negative_int(name, getattr(self, name)), MAX_COUNT, "past any run")
+        non_negative_int("seed", self.seed)
         at_most("lr", positive_number("lr", self.lr), 1e3, "AdamW's steps are about lr each: it diverged long before")
         positive_number("bucket_cap_mb", self.bucket_cap_mb)
         non_negative_number("weight_decay", self.weight_decay)

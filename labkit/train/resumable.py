@@ -120,7 +120,10 @@ class Resumable:
         if self.ckpt is None:
             return
         if self.ckpt.pending is None:
-            _close_quietly(self.ckpt)
+            try:
+                self.ckpt.close()
+            except Exception:  # the loop's own error is the one to report
+                pass
         else:  # the lock only: the process groups are the caller's to tear down, from its own thread
             threading.Thread(target=_release_when_saved, args=(self.ckpt,), name="labkit-checkpoint-close",
                              daemon=True).start()
@@ -136,13 +139,6 @@ class Resumable:
                 self.handler.uninstall()
         return {"checkpoints": self.saves, "restored": self.restored, "preempted": self.preempted,
                 "resume_notes": self.notes}
-
-
-def _close_quietly(ckpt: Checkpointer) -> None:
-    try:
-        ckpt.close()
-    except Exception:  # the loop's own error is the one to report
-        pass
 
 
 def _release_when_saved(ckpt: Checkpointer) -> None:
