@@ -23,7 +23,7 @@ BUILD := _build
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(BUILD)/torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help venv labs lab book test serve lab-ui assignments gpu-check clean compare baseline
+.PHONY: help venv labs lab book test serve lab-ui assignments hub gpu-check clean compare baseline
 
 help:
 	@echo "make book              set up .venv, execute every lab (PROFILE=$(PROFILE)), build the HTML book"
@@ -31,6 +31,7 @@ help:
 	@echo "make lab LAB=data_parallel PROFILE=cpu|ci|gpu   execute one lab into $(BUILD)/runs/"
 	@echo "make lab-ui            open the labs in JupyterLab (LAB_UI_OPTS=\"--no-browser --port N\" passes options)"
 	@echo "make assignments       nbgrader student notebooks of the labs' exercises in course/release/"
+	@echo "make hub               as root: a JupyterHub for a class on this machine (HUB_STATE=$(HUB_STATE), HUB_OPTS=\"--gpus all --port 8000\")"
 	@echo "make serve             serve the built book on http://127.0.0.1:8000"
 	@echo "make compare           every lab's ci profile against the committed baseline labs/baseline/ci (exit 1: regressed)"
 	@echo "make baseline          rerun every lab's ci profile and make it the baseline (review, then commit)"
@@ -109,6 +110,13 @@ lab-ui: $(STAMP) $(LAB_SETTINGS)
 # The graded exercises at the end of every lab, as nbgrader assignments (book/instructors.md).
 assignments: $(STAMP)
 	$(PY) -m labkit.labs.assignments
+
+# A JupyterHub for a class on one machine (labkit/labs/hub.py, book/instructors.md): run as root; users
+# are added with `python -m labkit.labs.hub add`. Everything it keeps is in HUB_STATE.
+HUB_STATE ?= /srv/labkit-hub
+HUB_OPTS ?=
+hub: $(STAMP)
+	$(PY) -m labkit.labs.hub serve --state $(HUB_STATE) $(HUB_OPTS)
 
 # On a GPU node or hub image: no set-up, so it runs where CUDA torch is installed and no registry is
 # reachable (.venv's Python when there is one, else python3 with labkit on the path).

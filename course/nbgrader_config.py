@@ -9,6 +9,7 @@ from nbgrader.preprocessors import GetGrades
 
 try:
     from labkit.labs.feedback import FeedbackWithoutHiddenTests
+    from labkit.labs.student_labs import CODE_STUB, TEXT_STUB
 except ImportError as e:  # traitlets would log it and go on without this file: feedback with hidden tests
     raise SystemExit(f"course/nbgrader_config.py needs labkit (pip install -e the course): {e}") from None
 
@@ -33,9 +34,9 @@ c.Execute.interrupt_on_timeout = True
 c.ExecutePreprocessor.startup_timeout = int(os.environ.get("NBGRADER_STARTUP_TIMEOUT", "300"))
 
 # Students see a stub where a solution was; `raise NotImplementedError()` makes an unanswered
-# exercise fail its tests rather than pass by accident.
-c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
-c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
+# exercise fail its tests rather than pass by accident (the labs' student form has the same stubs).
+c.ClearSolutions.code_stub = {"python": CODE_STUB}
+c.ClearSolutions.text_stub = TEXT_STUB
 
 # Feedback: nbgrader's own two steps, and between them the hidden tests taken out again (nbgrader
 # leaves them in by design, jupyter/nbgrader#917); labkit/labs/feedback.py says how.

@@ -170,27 +170,26 @@ def test_lab_shows_its_exercise_and_a_collapsed_solution(browser, server, lab):
 
 
 def test_every_lab_page_launches_the_lab_on_the_hub_and_downloads_its_notebook(browser, server):
-    """The launch button sends a student through nbgitpuller to the lab itself (labs/<lab>.md, which
-    the hub opens as a notebook), not to the executed copy the page was built from."""
+    """The launch button opens the lab's student form in the student's home on the course's hub (where
+    the hub put it: tests/test_hub.py follows this link), not nbgitpuller's copy of the repository,
+    solutions and all, nor the executed copy the page was built from."""
     import json as _json
     import urllib.request
-    from urllib.parse import parse_qs, urljoin, urlsplit
+    from urllib.parse import urljoin
 
     import yaml
+
+    from labkit.labs.student_labs import launch_url
 
     hub = yaml.safe_load((ROOT / "_config.yml").read_text())["launch_buttons"]["jupyterhub_url"].rstrip("/")
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     for lab in list_labs():
         page.goto(f"{server}/book/labs/{lab}.html", wait_until="networkidle")
         (href,) = page.eval_on_selector_all(
-            "a[href*='git-pull']", "as => [...new Set(as.map(a => a.getAttribute('href')))]")
-        url = urlsplit(href)
-        assert f"{url.scheme}://{url.netloc}" == hub and url.path == "/hub/user-redirect/git-pull", href
-        query = parse_qs(url.query)
-        assert query["urlpath"] == [f"lab/tree/training-at-scale/labs/{lab}.md"], href
-        assert (ROOT / "labs" / f"{lab}.md").is_file()
-        downloads = page.eval_on_selector_all(
-            "a[href$='.ipynb']", "as => [...new Set(as.map(a => a.getAttribute('href')))]")
+            f"a[href^='{hub}/']", "as => [...new Set(as.map(a => a.getAttribute('href')))]")
+        assert href == launch_url(hub, lab) == f"{hub}/hub/user-redirect/lab/tree/labs/{lab}.ipynb", href
+        downloads = [h for h in page.eval_on_selector_all(
+            "a[href$='.ipynb']", "as => [...new Set(as.map(a => a.getAttribute('href')))]") if h != href]
         assert downloads, f"{lab}: no download button for the notebook"
         with urllib.request.urlopen(urljoin(page.url, downloads[0])) as r:
             assert _json.loads(r.read())["cells"], lab

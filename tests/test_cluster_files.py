@@ -300,8 +300,9 @@ def test_jupyterhub_values_use_real_traits_and_a_real_authenticator():
         assert not unknown, f"profile {p['slug']}: {unknown}"
     gpu = next(p for p in profiles if p["slug"] == "gpu")["kubespawner_override"]
     assert gpu["extra_resource_limits"]["nvidia.com/gpu"] == "1" and gpu["environment"]["LABKIT_DEVICE"] == "cuda"
-    pull = values["singleuser"]["lifecycleHooks"]["postStart"]["exec"]["command"]
-    assert pull[0] == "gitpuller" and shutil.which("gitpuller", path=str(Path(sys.executable).parent))
+    copy = values["singleuser"]["lifecycleHooks"]["postStart"]["exec"]["command"]
+    assert copy[:2] == ["sh", "-c"] and "cp -n /opt/labkit/student-labs/*.ipynb" in copy[2]
+    assert "labkit.labs.student_labs /opt/labkit/student-labs" in (ROOT / "cluster/jupyterhub/Dockerfile").read_text()
 
 
 def _dockerfile(path: Path) -> list[tuple[str, str]]:

@@ -38,6 +38,8 @@ COMMAND = re.compile(r"(python -m labkit|make [a-z]|bash cluster/|torchrun |sbat
 RULES: list[tuple[str, str]] = [
     (r"make (book|test)$", "elsewhere: .ci/run runs make test, whose test_book builds the book"),
     (r"make (lab-ui|serve|assignments|venv)( LAB_UI_OPTS=.*)?$", "dry"),
+    (r"make hub( HUB_OPTS=.*)?$", "dry"),
+    (r"python -m labkit\.labs\.hub (add|serve)\b", "help"),  # as root it makes users: tests/test_hub.py runs them
     (r"(jupytext|papermill) ", "papermill-path"),
     (r"make lab LAB=\w+ PROFILE=(cpu|ci)$", "dry"),
     (r"make lab LAB=\w+ PROFILE=gpu$", "gpu"),
@@ -145,7 +147,8 @@ def _help(module: str) -> str:
 def test_templates_name_an_entry_point_and_flags_that_exist(command):
     words = shlex.split(command.replace("...", " ").replace("{", " ").replace("}", " ").replace("]", " "))
     module = words[2]  # `python -m labkit run ...`: the subcommand's own --help names its flags
-    text = _help(f"{module} {words[3]}" if module == "labkit" and len(words) > 3 and words[3].isalpha() else module)
+    sub = len(words) > 3 and words[3].isalpha() and module in ("labkit", "labkit.labs.hub")
+    text = _help(f"{module} {words[3]}" if sub else module)
     flags = {w.split("=")[0] for w in words if w.startswith("--")}
     absent = [f for f in flags if f not in text]
     assert not absent, f"{command}: {module} --help does not name {absent}"
@@ -164,13 +167,14 @@ def test_make_targets_expand(command):
 
 
 @pytest.mark.parametrize("command", _of("train-flags"))
-def test_torchrun_commands_parse_as_their_ranks_would(command, monkeypatch):
+def test_torchrun_commands_parse_as_their_ranks_would(command, monkeypatch, tmp_path):
     from labkit.core import devices
     from labkit.train import cli
 
     argv = [w for w in shlex.split(command) if w != "..."]
     argv = argv[argv.index("labkit.train") + 1:]
     monkeypatch.setattr(devices, "cuda_count", lambda: 8)
+    monkeypatch.chdir(tmp_path)  # the parser probes its output paths (ckpt/run1/...): not in the checkout
     ranks = re.search(r"--nproc-per-node (\d+)", command)
     monkeypatch.setenv("WORLD_SIZE", ranks[1] if ranks else "8")
     cfg, _ = cli.configs_from(argv)

@@ -150,3 +150,16 @@ def test_every_assignments_flag_takes_or_refuses_each_hostile_value(capsys, path
     for value in HOSTILE:
         for argv in (["memory", "--course", paths.get(value, value)], [paths.get(value, value), "--course", "."]):
             _taken_or_one_line(capsys, assignments.main, [*argv, "--source-only"])
+
+
+def test_every_hub_flag_takes_or_refuses_each_hostile_value(capsys, paths, monkeypatch):
+    import labkit.labs.hub as hub
+
+    monkeypatch.setattr(hub, "serve", lambda state, settings: None)  # a taken value starts no hub
+    monkeypatch.setattr(hub, "add_users", lambda *a: None)  # nor makes a user
+    ap_flags = ["--state", "--ip", "--port", "--gpus", "--cpus", "--memory"]
+    for value in HOSTILE:
+        v = paths.get(value, value)
+        for flag in ap_flags:
+            _taken_or_one_line(capsys, hub.main, ["serve", flag, v])
+        _taken_or_one_line(capsys, hub.main, ["add", "--role", "student", "--", v])

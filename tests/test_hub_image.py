@@ -95,3 +95,30 @@ def test_without_labs_every_entry_point_says_so(tmp_path):
                               timeout=120)
         assert proc.returncode != 0 and "no labs in" in proc.stderr and "Traceback" not in proc.stderr, \
             (argv, proc.returncode, proc.stderr[-2000:])
+
+
+def test_every_home_gets_the_labs_in_student_form_and_keeps_a_students_work(image, tmp_path):
+    """The image writes the student form (its RUN step) and each server's postStart copies it into the
+    home (values.yaml), never over a lab the student has worked on."""
+    import yaml
+
+    (run,) = [a for o, a in _instructions() if o == "RUN" and "labkit.labs.student_labs" in a]
+    folder = re.search(r"python -m labkit\.labs\.student_labs (\S+)", run)[1]
+    out = tmp_path / folder.lstrip("/")
+    proc = subprocess.run([sys.executable, "-m", "labkit.labs.student_labs", str(out)], cwd=tmp_path,
+                          env=_env(image), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    home = tmp_path / "home"
+    (home / "labs").mkdir(parents=True)
+    (home / "labs" / "memory.ipynb").write_text("a student's work")
+    values = yaml.safe_load((ROOT / "cluster" / "jupyterhub" / "values.yaml").read_text())
+    shell, flag, hook = values["singleuser"]["lifecycleHooks"]["postStart"]["exec"]["command"]
+    proc = subprocess.run([shell, flag, hook.replace(folder, str(out))], env={**os.environ, "HOME": str(home)},
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert (home / "labs" / "memory.ipynb").read_text() == "a student's work"
+    labs = sorted((home / "labs").glob("*.ipynb"))
+    assert [p.stem for p in labs] == sorted(p.stem for p in (ROOT / "labs").glob("*.md"))
+    for p in (p for p in labs if p.stem != "memory"):
+        text = p.read_text()
+        assert "YOUR CODE HERE" in text and "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text, p.name

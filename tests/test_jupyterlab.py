@@ -265,7 +265,7 @@ def test_the_graded_exercise_validates_right_and_wrong_answers(page, jupyterlab)
 
 
 def test_a_link_to_a_lab_opens_it_as_a_notebook(page, jupyterlab):
-    """Where the book's launch button lands once nbgitpuller has pulled the course: a
+    """Where a link to a lab's markdown lands (`make lab-ui`, or a clone of the course): a
     /lab/tree/.../<lab>.md address, which opens in the default viewer, jupytext's notebook."""
     page.goto(f"{jupyterlab['url']}/lab/tree/strategy_cost.md?token={jupyterlab['token']}")
     page.locator(".lm-TabBar-tab.lm-mod-current", has_text="strategy_cost.md").first.wait_for()

@@ -8,9 +8,10 @@
   ``const THEBE_JS_URL`` script accumulates one more copy on every page written and the browser
   reports "Identifier 'THEBE_JS_URL' has already been declared". Duplicate scripts are dropped.
 * A lab's page is built from the notebook ``labkit run`` executed into ``book/labs/`` (never
-  committed), so sphinx-book-theme's launch links would send a student to a file the repository
-  does not have. They point at the lab itself, ``labs/<lab>.md``, which the hub opens as a notebook
-  (jupytext's viewer is its default for markdown: ``cluster/jupyterhub/overrides.json``).
+  committed), and sphinx-book-theme's JupyterHub button would have nbgitpuller pull the whole
+  repository, every solution and hidden test in it, into the student's home. The button opens the
+  lab's student form instead, which the course's hub puts in every student's home
+  (:func:`labkit.labs.student_labs.launch_url`; ``make hub`` and ``cluster/jupyterhub`` both do).
 """
 from __future__ import annotations
 
@@ -52,10 +53,13 @@ def _dedupe_scripts(app, pagename, templatename, context, doctree) -> None:
 def _launch_the_lab_itself(app, pagename, templatename, context, doctree) -> None:
     if not pagename.startswith("book/labs/"):
         return
-    executed, lab = f"{pagename}.ipynb", f"labs/{pagename.rsplit('/', 1)[1]}.md"
+    from labkit.labs.student_labs import launch_url
+
     for group in context.get("header_buttons", []):
         for button in group.get("buttons", []) if group.get("label") == "launch-buttons" else []:
-            button["url"] = button["url"].replace(executed, lab)
+            hub, pulled, _ = button.get("url", "").partition("/hub/user-redirect/git-pull?")
+            if pulled:  # _config.yml's jupyterhub_url, before the address of nbgitpuller's
+                button["url"] = launch_url(hub, pagename.rsplit("/", 1)[1])
 
 
 def setup(app):

@@ -1,0 +1,233 @@
+"""A JupyterHub for a class on one machine: ``make hub`` (book/instructors.md walks a term through it).
+
+Everything the hub keeps lives in one state folder (``--state``, default ``/srv/labkit-hub``):
+``roster.json`` (who is a student, who an instructor), JupyterHub's database and cookie secret,
+nbgrader's exchange (``exchange/``, sticky and writable by all: nbgrader gives each submission and
+feedback its owner's permissions) and the course directory (``course/``: sources, releases,
+submissions and the gradebook, readable and writable by the instructors' group only). People are the
+machine's own unix users with their own passwords and homes (PAM), so the filesystem keeps each
+student's work their own; stopping and starting the hub loses nothing.
+
+    python -m labkit.labs.hub add --role instructor teach        (as root; --password-stdin reads one)
+    python -m labkit.labs.hub add --role student alice bob
+    python -m labkit.labs.hub serve --port 8000 --gpus all       (make hub HUB_OPTS="--gpus all")
+
+Who may log in and what each server gets: :mod:`labkit.labs.hub_spawner`; the proxy and the
+users' Python: :mod:`labkit.labs.hub_install`.
+"""
+from __future__ import annotations
+
+import grp
+import ipaddress
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from labkit.core.checks import brief, output_dir
+
+from labkit.core.cli import ArgumentParser
+from labkit.labs.hub_install import ensure_proxy, readable_by_all, server_paths, users_python
+from labkit.labs.runner import LABS_DIR, ROOT
+
+CONFIG_FILE = ROOT / "cluster" / "hub" / "jupyterhub_config.py"
+COURSE_ID = "training-at-scale"
+GROUP = "labkit-instructors"
+ROLES = ("student", "instructor")
+
+
+def terminal_env(state: Path, user: str) -> dict[str, str]:
+    """The environment the hub gives ``user``'s server, and so their terminals and kernels."""
+    import pwd
+
+    from labkit.labs.hub_spawner import role_of, server_env
+
+    home = Path(pwd.getpwnam(user).pw_dir)
+    paths = server_paths(users_python())
+    return {"HOME": str(home), "USER": user, **server_env(Path(state), role_of(Path(state), user) or "student", home,
+                                                         **{k: v for k, v in paths.items() if k != "python"})}
+
+
+def _settings(state: Path) -> dict:
+    path = state / "hub.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def prepare_state(state: Path, group: str = GROUP, course_id: str = COURSE_ID) -> dict:
+    """The state folder, its exchange, course directory and each role's Jupyter settings."""
+    state.mkdir(parents=True, exist_ok=True)
+    state.chmod(0o755)
+    settings = {"course": course_id, "group": group, **_settings(state)}
+    (state / "hub.json").write_text(json.dumps(settings, indent=1))
+    subprocess.run(["groupadd", "-f", settings["group"]], check=True, capture_output=True)
+    gid = grp.getgrnam(settings["group"]).gr_gid
+    exchange, course = state / "exchange", state / "course"
+    exchange.mkdir(exist_ok=True)
+    exchange.chmod(0o1777)  # sticky: nobody renames or removes what another person put there
+    course.mkdir(exist_ok=True)
+    os.chown(course, 0, gid)
+    course.chmod(0o2770)  # the instructors' group, inherited by what they write (their umask is 002)
+    config = course / "nbgrader_config.py"
+    if not config.exists():
+        shutil.copyfile(ROOT / "course" / "nbgrader_config.py", config)
+        os.chown(config, 0, gid)
+        config.chmod(0o664)
+    for role in ROLES:
+        folder = state / "jupyter" / role
+        (folder / "labconfig").mkdir(parents=True, exist_ok=True)
+        lines = [f"c.CourseDirectory.course_id = {settings['course']!r}", f"c.Exchange.root = {str(exchange)!r}"]
+        if role == "instructor":
+            lines.append(f"c.CourseDirectory.root = {str(course)!r}")
+        (folder / "nbgrader_config.py").write_text("c = get_config()  # noqa: F821\n" + "\n".join(lines) + "\n")
+        student = role == "student"  # no formgrader, no assignment creation: a student grades nothing
+        (folder / "jupyter_server_config.json").write_text(json.dumps({"ServerApp": {"jpserver_extensions": {
+            "nbgrader.server_extensions.formgrader": not student}}}, indent=1))
+        (folder / "labconfig" / "page_config.json").write_text(json.dumps({"disabledExtensions": {
+            "@jupyter/nbgrader:formgrader": student, "@jupyter/nbgrader:create-assignment": student}}, indent=1))
+    from labkit.labs.student_labs import write_student_labs
+
+    write_student_labs(state / "student-labs")
+    return settings
+
+
+def add_users(state: Path, role: str, names: list[str], password: str | None = None) -> None:
+    """Make each name a unix user (if it is not one), give it a private home, and enrol it."""
+    settings = prepare_state(state) if not (state / "hub.json").is_file() else _settings(state)
+    from labkit.labs.hub_spawner import home_for, roster
+
+    r = roster(state)
+    for name in names:
+        if subprocess.run(["id", "-u", name], capture_output=True).returncode != 0:
+            subprocess.run(["useradd", "--create-home", "--comment", "labkit hub user", name], check=True,
+                           capture_output=True)
+        if password is not None:
+            subprocess.run(["chpasswd"], input=f"{name}:{password}\n", text=True, check=True, capture_output=True)
+        if role == "instructor":
+            subprocess.run(["usermod", "-aG", settings["group"], name], check=True, capture_output=True)
+        key = f"{role}s"
+        r[key] = sorted({*r[key], name})
+        (state / "roster.json").write_text(json.dumps(r, indent=1))
+        home_for(name, role, state, LABS_DIR)  # the labs (and an instructor's ~/course) from the first day
+
+
+def configure(c, state: Path) -> None:
+    """JupyterHub's configuration (``cluster/hub/jupyterhub_config.py`` calls this)."""
+    from jupyterhub.utils import random_port
+
+    state = Path(state)
+    s = _settings(state)
+    python = users_python()
+    c.JupyterHub.bind_url = f"http://{s['ip']}:{s['port']}"
+    c.JupyterHub.hub_ip = "127.0.0.1"
+    # the hub's API and the proxy's on free ports: nothing else on the machine is disturbed or disturbs
+    c.JupyterHub.hub_port, proxy_api = random_port(), random_port()
+    c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{proxy_api}"
+    c.JupyterHub.db_url = f"sqlite:///{state / 'jupyterhub.sqlite'}"
+    c.JupyterHub.cookie_secret_file = str(state / "jupyterhub_cookie_secret")
+    c.JupyterHub.pid_file = str(state / "jupyterhub.pid")
+    c.ConfigurableHTTPProxy.command = [str(ensure_proxy())]
+    c.ConfigurableHTTPProxy.pid_file = str(state / "proxy.pid")
+    c.JupyterHub.authenticator_class = "labkit.labs.hub_spawner.CourseAuthenticator"
+    c.CourseAuthenticator.state = str(state)
+    c.Authenticator.any_allow_config = True  # the roster is the allow list (CourseAuthenticator)
+    c.JupyterHub.spawner_class = "labkit.labs.hub_spawner.CourseSpawner"
+    c.CourseSpawner.state = str(state)
+    for trait, value in server_paths(python).items():
+        setattr(c.CourseSpawner, trait, value)
+    c.CourseSpawner.source_labs = str(LABS_DIR)
+    c.CourseSpawner.gpus = s["gpus"]
+    c.CourseSpawner.server_cpus = s["cpus"]
+    c.CourseSpawner.server_memory = s["memory"]
+    c.JupyterHub.cleanup_servers = False  # a restarted hub finds the servers running, kernels and all
+    c.Spawner.default_url = "/lab"
+    c.Spawner.notebook_dir = "~"
+    c.Spawner.http_timeout = c.Spawner.start_timeout = 120  # a loaded machine starts JupyterLab slowly
+
+
+def _gpu_pool(value: str) -> list[str]:
+    if value == "none":
+        return []
+    if value == "all":
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                             text=True) if shutil.which("nvidia-smi") else None
+        return out.stdout.split() if out and out.returncode == 0 else []
+    pool = [g.strip() for g in value.split(",")]
+    if not all(g.isdigit() or g.startswith(("GPU-", "MIG-")) for g in pool) or len(set(pool)) != len(pool):
+        raise ValueError(f"--gpus={brief(value)}: give all, none, or distinct GPU indices / GPU- or MIG- UUIDs, "
+                         "comma-separated")
+    return pool
+
+
+def _memory(value: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    try:
+        n = float(value[:-1]) * units[value[-1].upper()] if value[-1:].upper() in units else float(value)
+    except ValueError:
+        n = float("nan")
+    if not 64 << 20 <= n <= 1 << 50:
+        raise ValueError(f"--memory={brief(value)}: give bytes per server between 64M and 1024T, e.g. 8G")
+    return int(n)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = ArgumentParser(prog="python -m labkit.labs.hub", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    for p in (add := sub.add_parser("add", help="enrol unix users (made if missing)")), \
+             (srv := sub.add_parser("serve", help="run the hub (stop with Ctrl-C; state is kept)")):
+        p.add_argument("--state", default="/srv/labkit-hub", help="the folder the hub keeps everything in")
+    add.add_argument("--role", choices=ROLES, required=True)
+    add.add_argument("--password-stdin", action="store_true", help="set the users' password from standard input")
+    add.add_argument("names", nargs="+")
+    srv.add_argument("--ip", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--gpus", default="all", help="the pool, one per server: all, none, or 0,1,... / MIG-UUIDs")
+    srv.add_argument("--cpus", type=float, default=2.0, help="cores per server")
+    srv.add_argument("--memory", default="8G", help="memory per server, e.g. 8G")
+    args = ap.parse_args(argv)
+    try:
+        if os.geteuid() != 0:
+            raise ValueError("the hub makes unix users and starts servers as them: run it as root")
+        if not readable_by_all(ROOT):
+            raise ValueError(f"the checkout {ROOT} is not readable by other users, whose servers run the course "
+                             "from it: clone it under /opt or /srv")
+        state = output_dir("--state", args.state)
+        if args.command == "add":
+            bad = [n for n in args.names if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", n)]
+            if bad:
+                raise ValueError(f"names={brief(bad)}: a unix user name (a lower-case letter, then letters, "
+                                 "digits, - or _; at most 32)")
+            add_users(state, args.role, args.names, sys.stdin.readline().rstrip("\n") if args.password_stdin else None)
+            return 0
+        try:
+            ipaddress.ip_address(args.ip)
+        except ValueError:
+            raise ValueError(f"--ip={brief(args.ip)}: give an IP address, e.g. 127.0.0.1 or 0.0.0.0") from None
+        if not 0 < args.port < 65536:
+            raise ValueError(f"--port={args.port}: give 1 to 65535")
+        if not 0.1 <= args.cpus <= 4096:
+            raise ValueError(f"--cpus={args.cpus}: give 0.1 to 4096 cores per server")
+        settings = {"ip": args.ip, "port": args.port, "gpus": _gpu_pool(args.gpus), "cpus": args.cpus,
+                    "memory": _memory(args.memory)}
+    except ValueError as e:
+        ap.error(str(e))
+    serve(state, settings)
+    return 0
+
+
+def serve(state: Path, settings: dict) -> None:
+    """Start JupyterHub (this process becomes it) on ``state`` with the checked ``settings``."""
+    prepare_state(state)
+    (state / "hub.json").write_text(json.dumps({**_settings(state), **settings}, indent=1))
+    ensure_proxy()
+    env = {**os.environ, "LABKIT_HUB_STATE": str(state.resolve())}
+    print(f"hub: http://{settings['ip']}:{settings['port']}/ state: {state} GPUs: {settings['gpus'] or 'none (CPU)'}",
+          flush=True)
+    os.chdir(state)
+    os.execve(sys.executable, [sys.executable, "-m", "jupyterhub", "-f", str(CONFIG_FILE)], env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

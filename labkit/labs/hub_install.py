@@ -1,0 +1,97 @@
+"""Where the one-machine hub's programs come from (:mod:`labkit.labs.hub`).
+
+* The servers run the course's Python. Where the interpreter behind ``.venv`` is one other users
+  may not run (pyenv's under ``/root``), a copy of it goes to ``_build/hub/python`` with ``.venv``'s
+  packages on its path, and ``_build/hub/bin`` holds the commands their terminals call.
+* The proxy is configurable-http-proxy from the npm registry, pinned, installed into
+  ``_build/hub/proxy`` (never globally).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import stat
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from labkit.labs.runner import ROOT
+
+BUILD = ROOT / "_build" / "hub"
+PROXY_PACKAGE = "configurable-http-proxy@5.3.0"
+PROXY = BUILD / "proxy" / "node_modules" / ".bin" / "configurable-http-proxy"
+
+
+def readable_by_all(path: Path) -> bool:
+    """Whether a user with no group in common may reach ``path`` (every folder above it searchable)."""
+    path = Path(path).resolve()
+    for p in [*reversed(path.parents), path]:
+        mode = p.stat().st_mode
+        if not mode & stat.S_IXOTH or (p == path and not mode & stat.S_IROTH):
+            return False
+    return True
+
+
+def users_python() -> Path:
+    """An interpreter every user may run that imports the course (``.venv``'s packages)."""
+    if readable_by_all(Path(sys.executable)):
+        return Path(sys.executable)
+    base = Path(sys.base_prefix)
+    copy = BUILD / "python"
+    exe = copy / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    if not exe.is_file():
+        skip = shutil.ignore_patterns("site-packages", "test", "__pycache__", "idlelib", "tkinter", "ensurepip")
+        tmp = copy.with_name("python.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(base, tmp, symlinks=True, ignore=skip)
+        tmp.rename(copy)
+    site = Path(sysconfig.get_paths(vars={"base": str(copy), "platbase": str(copy)})["purelib"])
+    site.mkdir(parents=True, exist_ok=True)
+    # addsitedir, not a path line: it also runs .venv's own .pth files (the editable labkit among them)
+    (site / "labkit-venv.pth").write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+    return exe
+
+
+def library_path(python: Path) -> dict[str, str]:
+    """LD_LIBRARY_PATH for a copied interpreter: its runpath names the original's folder, which other
+    users cannot reach, and the loader would find the system's libpython of another patch release."""
+    lib = Path(python).parent.parent / "lib"
+    return {"LD_LIBRARY_PATH": str(lib)} if Path(python).is_relative_to(BUILD) else {}
+
+
+def users_tools(python: Path) -> Path:
+    """``_build/hub/bin``: python, jupyter, nbgrader and alembic as the users run them."""
+    tools = BUILD / "bin"
+    tools.mkdir(parents=True, exist_ok=True)
+    for name, module in (("python", None), ("python3", None), ("jupyter", "jupyter"), ("nbgrader", "nbgrader"),
+                         ("alembic", "alembic"), ("papermill", "papermill")):
+        env = "".join(f"export {k}={v}; " for k, v in library_path(python).items())
+        run = f'{env}exec {python} "$@"' if module is None else f'{env}exec {python} -m {module} "$@"'
+        (tools / name).write_text(f"#!/bin/sh\n{run}\n")
+        (tools / name).chmod(0o755)
+    kernel = BUILD / "share" / "jupyter" / "kernels" / "labkit"
+    kernel.mkdir(parents=True, exist_ok=True)
+    (kernel / "kernel.json").write_text(json.dumps({
+        "argv": [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python (labkit)", "language": "python", "env": library_path(python),
+        "metadata": {"debugger": True}}, indent=1))
+    return tools
+
+
+def server_paths(python: Path) -> dict:
+    """Where a server finds the course: CourseSpawner's settings."""
+    venv_share = Path(sys.prefix) / "share" / "jupyter"
+    return {"python": str(python), "tools": str(users_tools(python)), "library_path": library_path(python),
+            "jupyter_path": [str(BUILD / "share" / "jupyter"), str(venv_share)],
+            "jupyter_config": str(Path(sys.prefix) / "etc" / "jupyter"), "jupyterlab_dir": str(venv_share / "lab")}
+
+
+def ensure_proxy() -> Path:
+    if PROXY.is_file():
+        return PROXY
+    if shutil.which("npm") is None:
+        raise SystemExit("error: the hub's proxy comes from npm, which is not installed (apt install nodejs npm)")
+    subprocess.run(["npm", "install", "--prefix", str(BUILD / "proxy"), "--no-audit", "--no-fund", "--loglevel=error",
+                    PROXY_PACKAGE], check=True)
+    return PROXY

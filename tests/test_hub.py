@@ -1,0 +1,296 @@
+"""A whole term on the one-machine hub (``make hub``, book/instructors.md), driven in a real browser.
+
+The hub runs as CI runs, as root, on a loopback port, with a state folder of its own and a GPU pool
+of three made-up devices (nothing here has a GPU: each server must still get a different one). Two
+students and an instructor are real unix users made for this run only, with passwords (PAM). The
+instructor releases the memory lab's exercise from a terminal of theirs; each student logs in,
+follows the book's launch link to the lab (a notebook in the course kernel, in its student form),
+runs it at the ``ci`` profile, fetches the exercise from nbgrader's Assignments panel, answers it
+(Alice right, Bob wrong) and submits. The hub restarts; nobody logs in again and nothing is lost.
+The instructor collects, autogrades, exports the grades and releases feedback; each student fetches
+it and sees a score and no hidden test. Bob's attempts to read Alice's work or the instructors' files
+are refused by the filesystem. Screenshots go to ``_build/screenshots/hub/`` (artefacts, never
+committed).
+"""
+from __future__ import annotations
+
+import csv
+import os
+import pwd
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit.labs.student_labs import launch_url
+
+ROOT = Path(__file__).resolve().parent.parent
+SHOTS = ROOT / "_build" / "screenshots" / "hub"
+LAB = "memory"
+_RUN = secrets.token_hex(3)  # users and group of this run only: no existing account is touched
+TEACH, ALICE, BOB = f"lt{_RUN}teach", f"lt{_RUN}alice", f"lt{_RUN}bob"
+GROUP = f"lt{_RUN}grp"
+PASSWORD = secrets.token_urlsafe(12)
+GPUS = ["0", "1", "2"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(state: Path, port: int, log: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "labkit.labs.hub", "serve", "--state", str(state), "--port", str(port),
+         "--gpus", ",".join(GPUS), "--cpus", "1", "--memory", "3G"],
+        stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the hub exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/hub/api/", timeout=5)
+            return proc
+        except OSError:
+            time.sleep(0.5)
+    pytest.fail(f"the hub did not answer within 120 s:\n{log.read_text()[-3000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    if os.geteuid() != 0 or not all(shutil.which(t) for t in ("useradd", "runuser", "chpasswd")):
+        pytest.skip("the hub makes unix users and starts servers as them: it needs root (CI runs as root)")
+    from labkit.labs.hub import prepare_state
+
+    state = Path("/tmp") / f"labkit-hub-{_RUN}"  # /tmp, not pytest's folder under /root: the users reach it
+    log = tmp_path_factory.mktemp("hub") / "hub.log"
+    made: list[str] = []
+    proc = None
+    try:
+        prepare_state(state, group=GROUP)
+        for role, names in (("instructor", [TEACH]), ("student", [ALICE, BOB])):
+            made += names
+            subprocess.run([sys.executable, "-m", "labkit.labs.hub", "add", "--state", str(state), "--role", role,
+                            "--password-stdin", *names], input=PASSWORD + "\n", text=True, check=True, cwd=ROOT)
+        port = _free_port()
+        proc = _start(state, port, log)
+        hub = dict(url=f"http://127.0.0.1:{port}", state=state, log=log, port=port, proc=proc)
+        yield hub
+        proc = hub["proc"]
+    finally:
+        if proc is not None:
+            _stop(proc)
+        for user in made:
+            for _ in range(50):  # a killed process is gone a moment later
+                subprocess.run(["pkill", "-KILL", "-u", user], capture_output=True)
+                gone = subprocess.run(["userdel", "-r", user], capture_output=True, text=True)
+                if gone.returncode != 8:  # 8: the user still has a process
+                    break
+                time.sleep(0.1)
+            assert gone.returncode in (0, 6, 12), gone.stderr  # 6: never made; 12: home already gone
+        subprocess.run(["groupdel", GROUP], capture_output=True)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def _as(hub, user: str, *cmd: str, cwd: Path | None = None, ok: bool = True) -> subprocess.CompletedProcess:
+    """``cmd`` as ``user`` in the environment the hub gives that user's terminals."""
+    from labkit.labs.hub import terminal_env
+
+    env = {**terminal_env(hub["state"], user), "LABKIT_THREADS": "1"}
+    home = Path(env["HOME"])
+    proc = subprocess.run([shutil.which("runuser"), "-u", user, "--", *cmd], cwd=cwd or home, env=env, capture_output=True,
+                          text=True, timeout=600)
+    if ok:
+        assert proc.returncode == 0, (cmd, proc.stdout[-2000:], proc.stderr[-3000:])
+    return proc
+
+
+def _refused(hub, code: str) -> str:
+    proc = _as(hub, BOB, "python", "-c", code, ok=False)
+    assert proc.returncode != 0 and "PermissionError" in proc.stderr, (code, proc.stdout, proc.stderr[-1500:])
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def _login(browser, hub, user: str):
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(120_000)
+    page.goto(f"{hub['url']}/hub/login")
+    page.fill("#username_input", user)
+    page.fill("#password_input", PASSWORD)
+    page.click("#login_submit")
+    return page
+
+
+def _shot(page, name: str) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / f"{name}.png"))
+
+
+def _set_cell(page, panel, index: int, source: str) -> None:
+    editor = panel.locator(".jp-Cell").nth(index).locator(".cm-content")
+    editor.click()
+    page.keyboard.press("Control+a")
+    page.keyboard.insert_text(source)
+    page.keyboard.press("Escape")
+
+
+def _save(page) -> None:
+    page.keyboard.press("Control+s")
+    tab = page.locator(".lm-TabBar-tab.lm-mod-current").first
+    deadline = time.monotonic() + 60
+    while "jp-mod-dirty" in (tab.get_attribute("class") or "") and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def _assignments(page):
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile("^Nbgrader$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile("^Assignment List$")).first.click()
+    panel = page.locator("#nbgrader-assignment-list")
+    panel.wait_for()
+    return panel
+
+
+def _server_pid(user: str) -> int:
+    out = subprocess.run(["pgrep", "-u", user, "-f", "jupyterhub.singleuser"], capture_output=True, text=True)
+    return int(out.stdout.split()[0])
+
+
+def _student_term(browser, hub, user: str, answer: str, run_lab: bool):
+    """Log in, open the lab from the book's link, (run it), fetch, answer and submit the exercise."""
+    page = _login(browser, hub, user)
+    page.goto(launch_url(hub["url"], LAB))  # the book's launch link, with this hub's address
+    panel = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)").last
+    panel.locator(".jp-CodeCell").first.wait_for()
+    page.locator(".jp-StatusBar-Widget", has_text="Python (labkit) | Idle").first.wait_for()
+    lab_nb = nbformat.read(Path(pwd.getpwnam(user).pw_dir) / "labs" / f"{LAB}.ipynb", as_version=4)
+    text = "\n".join(c.source for c in lab_nb.cells)
+    assert "YOUR CODE HERE" in text and "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text
+    _shot(page, f"{user[-5:]}-1-lab-opened")
+    if run_lab:
+        first = next(i for i, c in enumerate(lab_nb.cells) if c.cell_type == "code")
+        _set_cell(page, panel, first, lab_nb.cells[first].source.replace('PROFILE = "cpu"', 'PROFILE = "ci"'))
+        page.locator(".lm-MenuBar-itemLabel", has_text=re.compile("^Run$")).click()
+        page.locator(".lm-Menu-itemLabel", has_text=re.compile("^Run All Cells$")).first.click()
+        # the lab runs up to its exercise, whose stub raises NotImplementedError until it is answered
+        panel.locator(".jp-OutputArea-output", has_text="NotImplementedError").first.wait_for(timeout=300_000)
+        outputs = panel.locator(".jp-OutputArea-output").all_text_contents()
+        errors = [o for o in outputs if re.search(r"^\w+Error\b", o, re.M) and "NotImplementedError" not in o]
+        assert not errors, errors[0][-2000:]
+        _shot(page, f"{user[-5:]}-2-lab-ran-to-the-exercise")
+        page.keyboard.press("Control+s")
+
+    assignments = _assignments(page)
+    assignments.get_by_role("button", name="Fetch", exact=True).first.click()
+    page.wait_for_function(f"() => document.querySelector('#nbgrader-assignment-list')?.innerText.includes('Submit')")
+    _shot(page, f"{user[-5:]}-3-fetched")
+    page.goto(f"{hub['url']}/user/{user}/lab/tree/{LAB}/{LAB}.ipynb")
+    # the graded notebook (the lab's own is open too, under the same name, restored with the workspace)
+    nb_panel = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)", has_text="Graded exercise").last
+    nb_panel.locator(".jp-CodeCell").first.wait_for()
+    fetched = nbformat.read(Path(pwd.getpwnam(user).pw_dir) / LAB / f"{LAB}.ipynb", as_version=4)
+    index = next(i for i, c in enumerate(fetched.cells) if c.cell_type == "code" and "YOUR CODE HERE" in c.source)
+    _set_cell(page, nb_panel, index, answer)
+    _save(page)
+    assignments = _assignments(page)
+    assignments.get_by_role("button", name="Submit", exact=True).first.click()
+    page.wait_for_function("() => document.querySelector('#nbgrader-assignment-list')?.innerText.match(/\\d{4}-\\d\\d-\\d\\d/)")
+    _shot(page, f"{user[-5:]}-4-submitted")
+    return page
+
+
+def _answers(hub) -> tuple[str, str]:
+    source = nbformat.read(hub["state"] / "course" / "source" / LAB / f"{LAB}.ipynb", as_version=4)
+    (cell,) = [c for c in source.cells if c.metadata.get("nbgrader", {}).get("solution")]
+    right = re.sub(r"^\s*### (BEGIN|END) SOLUTION\n", "", cell.source, flags=re.M)
+    wrong = re.sub(r"### BEGIN SOLUTION.*?### END SOLUTION", "return 0", cell.source, flags=re.S)
+    return right, wrong
+
+
+def test_a_term_on_the_hub(hub, browser):
+    state, course = hub["state"], hub["state"] / "course"
+    home = {u: Path(pwd.getpwnam(u).pw_dir) for u in (TEACH, ALICE, BOB)}
+    # the instructor, in a terminal of theirs: the exercises from the labs, then the release
+    assert (home[TEACH] / "course").resolve() == course.resolve()
+    _as(hub, TEACH, "python", "-m", "labkit.labs.assignments", LAB, "--course", f"{home[TEACH]}/course")
+    _as(hub, TEACH, "nbgrader", "release_assignment", LAB, cwd=home[TEACH] / "course")
+    right, wrong = _answers(hub)
+
+    pages = {ALICE: _student_term(browser, hub, ALICE, right, run_lab=True),
+             BOB: _student_term(browser, hub, BOB, wrong, run_lab=False)}
+    # each server its own GPU of the pool, and a cgroup with the limits asked for (where one can be made)
+    pids = {u: _server_pid(u) for u in (ALICE, BOB)}
+    gpus = {u: dict(kv.split("=", 1) for kv in Path(f"/proc/{p}/environ").read_text().split("\0") if "=" in kv)
+            ["CUDA_VISIBLE_DEVICES"] for u, p in pids.items()}
+    assert sorted(gpus.values()) == sorted(set(gpus.values())) and set(gpus.values()) <= set(GPUS), gpus
+    for u, p in pids.items():
+        groups = Path(f"/proc/{p}/cgroup").read_text()
+        assert f"labkit-hub/{u}" in groups, groups
+
+    inbound = state / "exchange" / "training-at-scale" / "inbound"
+    (alices,) = [p for p in inbound.iterdir() if p.name.startswith(ALICE)]
+    attempts = {
+        "list the submissions": f"import os; print(os.listdir({str(inbound)!r}))",
+        # its folder's name ends in a random string (nbgrader's), and the folder above cannot be listed
+        "alter a submission whose name was guessed": f"open({str(alices / f'{LAB}.ipynb')!r}, 'a').write('x')",
+        "read the other's notebook at home": f"open({str(home[ALICE] / LAB / f'{LAB}.ipynb')!r}).read()",
+        "read the sources": f"open({str(course / 'source' / LAB / f'{LAB}.ipynb')!r}).read()",
+        "read the gradebook": f"open({str(course / 'gradebook.db')!r}, 'rb').read()",
+        "alter the release": f"open({str(state / 'exchange' / 'training-at-scale' / 'outbound' / LAB / f'{LAB}.ipynb')!r}, 'a').write('x')",
+        "replace the course's exchange folder": f"import os; os.rename({str(state / 'exchange' / 'training-at-scale')!r}, '/tmp/x')",
+    }
+    refused = {what: _refused(hub, code) for what, code in attempts.items()}
+
+    # the hub restarts mid-term: the servers run on, the sessions hold, the submissions stay
+    _stop(hub["proc"])
+    hub["proc"] = _start(state, hub["port"], hub["log"])
+    assert {u: _server_pid(u) for u in (ALICE, BOB)} == pids
+    pages[ALICE].goto(f"{hub['url']}/hub/home")
+    assert "/hub/login" not in pages[ALICE].url, pages[ALICE].url
+
+    for step in (["collect", LAB], ["autograde", LAB], ["generate_feedback", LAB], ["export", "--to", "grades.csv"],
+                 ["release_feedback", LAB]):
+        log = _as(hub, TEACH, "nbgrader", *step, cwd=home[TEACH] / "course")
+        assert "cheating" not in (log.stdout + log.stderr).lower(), log.stderr[-2000:]
+    with open(course / "grades.csv") as f:
+        grades = {row["student_id"]: float(row["score"]) for row in csv.DictReader(f) if row["assignment"] == LAB}
+        f.seek(0)
+        best = {row["student_id"]: float(row["max_score"]) for row in csv.DictReader(f) if row["assignment"] == LAB}
+    assert grades[ALICE] == best[ALICE] > 0 and grades[BOB] < best[BOB], grades
+
+    for user, page in pages.items():
+        page.goto(f"{hub['url']}/user/{user}/lab")
+        assignments = _assignments(page)
+        assignments.get_by_role("button", name="Fetch Feedback").first.click()
+        deadline = time.monotonic() + 120
+        while not list((home[user] / LAB / "feedback").rglob("*.html")) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        _shot(page, f"{user[-5:]}-5-feedback")
+        report = next((home[user] / LAB / "feedback").rglob("*.html")).read_text()
+        assert "HIDDEN TESTS" not in report and "Score" in report, user
+        assert f"{grades[user]:g}" in report or f"{grades[user]:.1f}" in report, user
+    feedback = state / "exchange" / "training-at-scale" / "feedback"
+    refused["list the feedback"] = _refused(hub, f"import os; print(os.listdir({str(feedback)!r}))")
+    alices_feedback = next(feedback.iterdir())  # as root we know a name; a student cannot list one
+    refused["replace feedback whose name was guessed"] = _refused(hub, f"open({str(alices_feedback)!r}, 'w').write('x')")
+    assert len(refused) == 9, refused
