@@ -294,7 +294,16 @@ def test_jupyterhub_values_use_real_traits_and_a_real_authenticator():
     assert not config["GitHubOAuthenticator"].get("allow_all") and config["GitHubOAuthenticator"]["allowed_organizations"]
     assert "client_secret" not in config["GitHubOAuthenticator"]  # secrets live in a separate values file
     profiles = values["singleuser"]["profileList"]
-    assert {p["slug"] for p in profiles} == {"cpu", "gpu"}
+    assert {p["slug"] for p in profiles} == {"cpu", "gpu", "instructor"}
+    # a student's server hides the formgrader (the settings the Dockerfile copies); the instructors' does not
+    from kubespawner.utils import recursive_update
+
+    student_settings = values["singleuser"]["extraEnv"]["JUPYTER_CONFIG_PATH"]
+    assert f"COPY cluster/jupyterhub/student {student_settings}" in (ROOT / "cluster/jupyterhub/Dockerfile").read_text()
+    for p in profiles:
+        env = dict(values["singleuser"]["extraEnv"])
+        recursive_update(env, p["kubespawner_override"].get("environment", {}))
+        assert (env.get("JUPYTER_CONFIG_PATH") == student_settings) == (p["slug"] != "instructor"), p["slug"]
     for p in profiles:
         unknown = set(p["kubespawner_override"]) - set(KubeSpawner.class_trait_names())
         assert not unknown, f"profile {p['slug']}: {unknown}"

@@ -58,6 +58,7 @@ RULES: list[tuple[str, str]] = [
     (r"python -m labkit(\.\w+)?$", "help"),  # the entry point named in prose
     (r"python -m labkit\.train (?!--help$|--list-strategies$)", "help"),  # its flags named in prose
     (r"python -m labkit\.labs\.assignments", "help"),
+    (r"python -m labkit\.labs\.student_labs$", "help"),
     (r"python -m labkit(\.\w+)? .*(\.\.\.|\bLAB\b|\bPROFILE\b|\bK\b|\{|\]|\"$|OUT\b|N\b)", "help"),
     (r"python -m labkit(\.\w+)?( .*)?$", "run"),
 ]

@@ -119,6 +119,7 @@ def test_every_home_gets_the_labs_in_student_form_and_keeps_a_students_work(imag
     assert (home / "labs" / "memory.ipynb").read_text() == "a student's work"
     labs = sorted((home / "labs").glob("*.ipynb"))
     assert [p.stem for p in labs] == sorted(p.stem for p in (ROOT / "labs").glob("*.md"))
+    assert (image.parents[1] / "etc/labkit/jupyter/student/labconfig/page_config.json").is_file()
     for p in (p for p in labs if p.stem != "memory"):
         text = p.read_text()
         assert "YOUR CODE HERE" in text and "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text, p.name

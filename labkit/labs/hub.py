@@ -35,6 +35,7 @@ from labkit.labs.runner import LABS_DIR, ROOT
 
 CONFIG_FILE = ROOT / "cluster" / "hub" / "jupyterhub_config.py"
 COURSE_ID = "training-at-scale"
+STUDENT_SETTINGS = ROOT / "cluster" / "jupyterhub" / "student"  # Jupyter settings of a student's server
 GROUP = "labkit-instructors"
 ROLES = ("student", "instructor")
 
@@ -77,16 +78,13 @@ def prepare_state(state: Path, group: str = GROUP, course_id: str = COURSE_ID) -
         config.chmod(0o664)
     for role in ROLES:
         folder = state / "jupyter" / role
-        (folder / "labconfig").mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
         lines = [f"c.CourseDirectory.course_id = {settings['course']!r}", f"c.Exchange.root = {str(exchange)!r}"]
         if role == "instructor":
             lines.append(f"c.CourseDirectory.root = {str(course)!r}")
         (folder / "nbgrader_config.py").write_text("c = get_config()  # noqa: F821\n" + "\n".join(lines) + "\n")
-        student = role == "student"  # no formgrader, no assignment creation: a student grades nothing
-        (folder / "jupyter_server_config.json").write_text(json.dumps({"ServerApp": {"jpserver_extensions": {
-            "nbgrader.server_extensions.formgrader": not student}}}, indent=1))
-        (folder / "labconfig" / "page_config.json").write_text(json.dumps({"disabledExtensions": {
-            "@jupyter/nbgrader:formgrader": student, "@jupyter/nbgrader:create-assignment": student}}, indent=1))
+        if role == "student":  # no formgrader, no assignment creation: the Kubernetes image's settings too
+            shutil.copytree(STUDENT_SETTINGS, folder, dirs_exist_ok=True)
     from labkit.labs.student_labs import write_student_labs
 
     write_student_labs(state / "student-labs")

@@ -45,7 +45,7 @@ class CourseAuthenticator(PAMAuthenticator):
         return role_of(Path(self.state), username) is not None
 
 
-def _cgroup_paths(user: str) -> list[Path]:
+def cgroup_paths(user: str) -> list[Path]:
     """The folders of ``user``'s cgroup: one under cgroup v2, one per controller under v1."""
     if (CGROUP / "cgroup.controllers").is_file():
         return [CGROUP / "labkit-hub" / user]
@@ -54,7 +54,7 @@ def _cgroup_paths(user: str) -> list[Path]:
 
 def limit_server(user: str, cpus: float, memory: int) -> list[Path]:
     """Make ``user``'s cgroup with ``cpus`` cores and ``memory`` bytes; [] when none can be made."""
-    paths = _cgroup_paths(user)
+    paths = cgroup_paths(user)
     try:
         if len(paths) == 1:  # v2: the parent hands its children the cpu and memory controllers
             paths[0].mkdir(parents=True, exist_ok=True)
@@ -156,6 +156,11 @@ class CourseSpawner(LocalProcessSpawner):
     async def stop(self, now=False):
         await super().stop(now=now)
         self._release_gpu()
+        for p in cgroup_paths(self.user.name):  # empty once the server's processes are gone
+            try:
+                p.rmdir()
+            except OSError:
+                pass
 
 
 def server_env(state: Path, role: str, home: Path, tools: str, library_path: dict, jupyter_path: list[str],
