@@ -60,3 +60,16 @@ def deepspeed_resume(strategy: str, ckpt_dir: str, marker: str) -> dict:
     same = all(ref["params"][k].equal(resumed["params"][k]) for k in ref["params"])
     return {"start_step": resumed["start_step"], "notes": resumed["resume_notes"], "bit_exact": same,
             "loss_equal": ref["loss"] == resumed["loss"]}
+
+
+def readers_load(ckpt_dir: str) -> int:
+    """A reader on two ranks whose rank 0 listed the directory before the writer published its newest
+    step and rank 1 after: both must load the same step (rank 0's view decides)."""
+    reader = Checkpointer(ckpt_dir, readonly=True)
+    if dist.get_rank() == 0:
+        newest = max(reader.steps())
+        listed = [s for s in reader.steps() if s != newest]
+        reader.steps = lambda: listed
+    step, _ = reader.load_latest()
+    reader.close()
+    return step

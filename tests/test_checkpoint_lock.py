@@ -140,3 +140,15 @@ def test_readers_load_complete_steps_while_the_writer_saves_and_prunes(tmp_path)
         results = [json.loads(r.communicate(timeout=120)[0]) for r in readers]
     for r in results:
         assert r["n_failures"] == 0 and r["wrong"] == 0 and r["ok"] > 0, r
+
+
+def test_a_reader_on_two_ranks_loads_one_step_when_the_ranks_listed_at_different_moments(tmp_path):
+    import torch
+
+    from ft_rank_fns import readers_load
+    from labkit.launch import launch
+
+    with Checkpointer(tmp_path) as writer:
+        for step in (1, 2, 3):
+            writer.save(step, {"x": torch.full((4,), float(step))})
+    assert launch(readers_load, str(tmp_path), world_size=2) == [2, 2]

@@ -245,10 +245,12 @@ class Checkpointer(Closing):
         self.wait()
         t0 = time.perf_counter()
         skipped = self.last_skipped = []
-        steps = list(reversed(self.steps()))
+        # what rank 0 sees decides, on every rank: a writer may publish or retire a step between two
+        # ranks' listings, and ranks that chose different steps would meet in different collectives
+        steps = self._gather(list(reversed(self.steps())))[0]
         while steps:
             step, state = steps.pop(0), None
-            path = self.path(step)  # one copy, verified and read: a reader's may be the .old- one
+            path = Path(self._gather(str(self.path(step)))[0])  # a reader's may be the .old- copy
             try:
                 problems = loading.verify(path, self.rank, self.world, self._gather)
                 if not problems:
@@ -258,9 +260,9 @@ class Checkpointer(Closing):
                     state = self._read(step, path, saved, template, saved_world == self.world, moved)
             except (CheckpointError, dcp.CheckpointException, FileNotFoundError) as e:  # DCP's is a BaseException
                 problems = [f"refused to load: {describe(e)}"]
-            if problems and self.readonly and not path.exists() and len(skipped) < 100:
+            if problems and self.readonly and any(self._gather(not path.exists())) and len(skipped) < 100:
                 damaged = {s for s, why in skipped if not why.startswith("retired")}
-                steps = [s for s in reversed(self.steps()) if s not in damaged]  # retired or re-saved: look again
+                steps = [s for s in self._gather(list(reversed(self.steps())))[0] if s not in damaged]  # look again
                 skipped.append((step, "retired by the writer while it was read"))
                 continue
             if problems:
