@@ -7,26 +7,24 @@
   ``torch.distributed.checkpoint`` (DCP): every rank writes its own shards, and a checkpoint saved on
   N ranks loads on M, or with no process group. Plain values, and ``state["local"]`` (this rank's own,
   such as RNG states) go to ``rank{r}.pt``; a DeepSpeed engine saves itself into the same directory.
-* **Atomic publication** (write, fsync, then ``rename(2)``; :mod:`.directory`): a kill at any instant
-  leaves the previous checkpoint or the new one.
-* **Integrity.** The manifest holds a size and an xxHash (XXH3, 64 bit) per file and a checksum of its
-  own; ``load_latest`` verifies every file and skips, with a warning, a checkpoint that fails for the
-  newest one that verifies. DCP, ``torch.save`` and safetensors store no checksums of their own.
+* **Atomic publication** (write, fsync, ``rename(2)``; :mod:`.directory`): a kill leaves the old or the new.
+* **Integrity.** The manifest holds a size and an xxHash (XXH3) per file and a checksum of its own
+  (DCP, ``torch.save`` and safetensors store none); ``load_latest`` skips, warning, a failed checkpoint.
 * **Safe loading.** Nothing is unpickled beyond data: ``rank{r}.pt`` loads with
   ``torch.load(weights_only=True)`` and DCP's pickled ``.metadata`` through an allow-list of DCP's
   metadata classes (DCP itself calls ``pickle.load`` on it), whose storage paths must name files of
   the manifest. A checkpoint holding a symbolic link, a FIFO or a file outside its directory is
-  refused before anything in it is opened. The manifest's checksum finds damage, not tampering: it is
-  no signature (:func:`labkit.fault_tolerance.directory.write_manifest` says what would be one).
+  refused before anything in it is opened. The manifest's checksum finds damage, not tampering
+  (:func:`labkit.fault_tolerance.directory.write_manifest` says what a signature would be).
 * **One writer.** The writer holds an exclusive lock on the directory (:mod:`.lock`) and touches only
-  names it writes; ``readonly=True`` opens a directory to load from while another run writes it.
+  names it writes; ``readonly=True`` opens a directory to load from while another run writes it, and
+  on every rank loads the step rank 0 listed (ranks listing either side of a publish would differ).
 * **Nothing lost.** A value that would save but never load (a NumPy scalar that is not exactly a
   Python one, an ``IntEnum``) is refused at save time, by key. When checkpoints exist and none
   verifies, ``load_latest`` raises with each step and why (``if_unusable="start_over"`` is the
   deliberate restart), and retention never deletes a checkpoint newer than the one just published.
 * **Async save.** ``save`` blocks only while DCP's stager copies the tensors to host memory; writing,
-  hashing and publication run in a thread over a separate gloo process group (collectives of the
-  training group must not interleave with the checkpoint's).
+  hashing and publishing run in a thread over a gloo group of their own (not the training group's).
 """
 from __future__ import annotations
 
@@ -102,6 +100,9 @@ class Checkpointer(Closing):
         return out
 
     name = staticmethod(ckdir.step_name)
+
+    def _listed(self) -> list[int]:  # newest first, as rank 0 lists them (the module's "One writer")
+        return self._gather(list(reversed(self.steps())))[0]
 
     def steps(self) -> list[int]:
         """Published checkpoints, oldest first (whether they verify or not); a reader also sees a step
@@ -245,9 +246,7 @@ class Checkpointer(Closing):
         self.wait()
         t0 = time.perf_counter()
         skipped = self.last_skipped = []
-        # what rank 0 sees decides, on every rank: a writer may publish or retire a step between two
-        # ranks' listings, and ranks that chose different steps would meet in different collectives
-        steps = self._gather(list(reversed(self.steps())))[0]
+        steps = self._listed()  # rank 0's listing, on every rank
         while steps:
             step, state = steps.pop(0), None
             path = Path(self._gather(str(self.path(step)))[0])  # a reader's may be the .old- copy
@@ -262,7 +261,7 @@ class Checkpointer(Closing):
                 problems = [f"refused to load: {describe(e)}"]
             if problems and self.readonly and any(self._gather(not path.exists())) and len(skipped) < 100:
                 damaged = {s for s, why in skipped if not why.startswith("retired")}
-                steps = [s for s in self._gather(list(reversed(self.steps())))[0] if s not in damaged]  # look again
+                steps = [s for s in self._listed() if s not in damaged]  # retired or re-saved: look again
                 skipped.append((step, "retired by the writer while it was read"))
                 continue
             if problems:
