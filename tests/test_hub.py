@@ -29,6 +29,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from jupyterhub.utils import random_port
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from labkit.labs.hub_spawner import cgroup_paths
@@ -43,14 +44,6 @@ TEACH, ALICE, BOB = f"lt{_RUN}teach", f"lt{_RUN}alice", f"lt{_RUN}bob"
 GROUP = f"lt{_RUN}grp"
 PASSWORD = secrets.token_urlsafe(12)
 GPUS = ["0", "1", "2"]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(state: Path, port: int, log: Path) -> subprocess.Popen:
@@ -98,7 +91,7 @@ def hub(tmp_path_factory):
             made += names
             subprocess.run([sys.executable, "-m", "labkit.labs.hub", "add", "--state", str(state), "--role", role,
                             "--password-stdin", *names], input=PASSWORD + "\n", text=True, check=True, cwd=ROOT)
-        port = _free_port()
+        port = random_port()
         proc = _start(state, port, log)
         hub = dict(url=f"http://127.0.0.1:{port}", state=state, log=log, port=port, proc=proc)
         yield hub

@@ -28,9 +28,8 @@ import sys
 from pathlib import Path
 
 from labkit.core.checks import brief, output_dir
-
 from labkit.core.cli import ArgumentParser
-from labkit.labs.hub_install import ensure_proxy, readable_by_all, server_paths, users_python
+from labkit.labs.hub_install import PROXY, install, readable_by_all, server_paths, users_python
 from labkit.labs.runner import LABS_DIR, ROOT
 
 CONFIG_FILE = ROOT / "cluster" / "hub" / "jupyterhub_config.py"
@@ -117,7 +116,6 @@ def configure(c, state: Path) -> None:
 
     state = Path(state)
     s = _settings(state)
-    python = users_python()
     c.JupyterHub.bind_url = f"http://{s['ip']}:{s['port']}"
     c.JupyterHub.hub_ip = "127.0.0.1"
     # the hub's API and the proxy's on free ports: nothing else on the machine is disturbed or disturbs
@@ -126,14 +124,14 @@ def configure(c, state: Path) -> None:
     c.JupyterHub.db_url = f"sqlite:///{state / 'jupyterhub.sqlite'}"
     c.JupyterHub.cookie_secret_file = str(state / "jupyterhub_cookie_secret")
     c.JupyterHub.pid_file = str(state / "jupyterhub.pid")
-    c.ConfigurableHTTPProxy.command = [str(ensure_proxy())]
+    c.ConfigurableHTTPProxy.command = [str(PROXY)]
     c.ConfigurableHTTPProxy.pid_file = str(state / "proxy.pid")
     c.JupyterHub.authenticator_class = "labkit.labs.hub_spawner.CourseAuthenticator"
     c.CourseAuthenticator.state = str(state)
     c.Authenticator.any_allow_config = True  # the roster is the allow list (CourseAuthenticator)
     c.JupyterHub.spawner_class = "labkit.labs.hub_spawner.CourseSpawner"
     c.CourseSpawner.state = str(state)
-    for trait, value in server_paths(python).items():
+    for trait, value in server_paths(users_python()).items():  # serve() installed them
         setattr(c.CourseSpawner, trait, value)
     c.CourseSpawner.source_labs = str(LABS_DIR)
     c.CourseSpawner.gpus = s["gpus"]
@@ -219,7 +217,7 @@ def serve(state: Path, settings: dict) -> None:
     """Start JupyterHub (this process becomes it) on ``state`` with the checked ``settings``."""
     prepare_state(state)
     (state / "hub.json").write_text(json.dumps({**_settings(state), **settings}, indent=1))
-    ensure_proxy()
+    install()
     env = {**os.environ, "LABKIT_HUB_STATE": str(state.resolve())}
     print(f"hub: http://{settings['ip']}:{settings['port']}/ state: {state} GPUs: {settings['gpus'] or 'none (CPU)'}",
           flush=True)

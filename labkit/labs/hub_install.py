@@ -34,23 +34,25 @@ def readable_by_all(path: Path) -> bool:
 
 
 def users_python() -> Path:
-    """An interpreter every user may run that imports the course (``.venv``'s packages)."""
+    """An interpreter every user may run that imports the course: this one, or its copy (:func:`install`)."""
     if readable_by_all(Path(sys.executable)):
         return Path(sys.executable)
-    base = Path(sys.base_prefix)
-    copy = BUILD / "python"
-    exe = copy / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    return BUILD / "python" / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def _copy_interpreter(exe: Path) -> None:
+    """The interpreter behind ``.venv`` copied to ``_build/hub/python``, ``.venv``'s packages on its path."""
+    copy = exe.parent.parent
     if not exe.is_file():
         skip = shutil.ignore_patterns("site-packages", "test", "__pycache__", "idlelib", "tkinter", "ensurepip")
         tmp = copy.with_name("python.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(base, tmp, symlinks=True, ignore=skip)
+        shutil.copytree(Path(sys.base_prefix), tmp, symlinks=True, ignore=skip)
         tmp.rename(copy)
     site = Path(sysconfig.get_paths(vars={"base": str(copy), "platbase": str(copy)})["purelib"])
     site.mkdir(parents=True, exist_ok=True)
     # addsitedir, not a path line: it also runs .venv's own .pth files (the editable labkit among them)
     (site / "labkit-venv.pth").write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
-    return exe
 
 
 def library_path(python: Path) -> dict[str, str]:
@@ -60,13 +62,18 @@ def library_path(python: Path) -> dict[str, str]:
     return {"LD_LIBRARY_PATH": str(lib)} if Path(python).is_relative_to(BUILD) else {}
 
 
-def users_tools(python: Path) -> Path:
-    """``_build/hub/bin``: python, jupyter, nbgrader and alembic as the users run them."""
+def install() -> Path:
+    """What the servers run, written once before the hub starts: the users' interpreter (copied if
+    need be), ``_build/hub/bin`` (python, jupyter, nbgrader, alembic, papermill as the users run them)
+    and the course kernel's spec for that interpreter; the proxy. Returns the interpreter."""
+    python = users_python()
+    if python != Path(sys.executable):
+        _copy_interpreter(python)
     tools = BUILD / "bin"
     tools.mkdir(parents=True, exist_ok=True)
+    env = "".join(f"export {k}={v}; " for k, v in library_path(python).items())
     for name, module in (("python", None), ("python3", None), ("jupyter", "jupyter"), ("nbgrader", "nbgrader"),
                          ("alembic", "alembic"), ("papermill", "papermill")):
-        env = "".join(f"export {k}={v}; " for k, v in library_path(python).items())
         run = f'{env}exec {python} "$@"' if module is None else f'{env}exec {python} -m {module} "$@"'
         (tools / name).write_text(f"#!/bin/sh\n{run}\n")
         (tools / name).chmod(0o755)
@@ -76,13 +83,14 @@ def users_tools(python: Path) -> Path:
         "argv": [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "Python (labkit)", "language": "python", "env": library_path(python),
         "metadata": {"debugger": True}}, indent=1))
-    return tools
+    ensure_proxy()
+    return python
 
 
 def server_paths(python: Path) -> dict:
-    """Where a server finds the course: CourseSpawner's settings."""
+    """Where a server finds what :func:`install` wrote: CourseSpawner's settings."""
     venv_share = Path(sys.prefix) / "share" / "jupyter"
-    return {"python": str(python), "tools": str(users_tools(python)), "library_path": library_path(python),
+    return {"python": str(python), "tools": str(BUILD / "bin"), "library_path": library_path(python),
             "jupyter_path": [str(BUILD / "share" / "jupyter"), str(venv_share)],
             "jupyter_config": str(Path(sys.prefix) / "etc" / "jupyter"), "jupyterlab_dir": str(venv_share / "lab")}
 

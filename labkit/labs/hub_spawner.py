@@ -166,7 +166,8 @@ class CourseSpawner(LocalProcessSpawner):
 def server_env(state: Path, role: str, home: Path, tools: str, library_path: dict, jupyter_path: list[str],
                jupyter_config: str, jupyterlab_dir: str) -> dict[str, str]:
     """The environment of a server, and of what its terminals and kernels run."""
-    return {**library_path,
+    return {
+        **library_path,
         "PATH": f"{tools}:/usr/local/bin:/usr/bin:/bin",
         "JUPYTER_PATH": os.pathsep.join(jupyter_path),
         # the role's own settings first (nbgrader's exchange and course, which extensions load)
