@@ -45,7 +45,8 @@ if new == k and f"digest: {digest}" not in k:
     sys.exit(f"pin-image.sh: no 'name: labkit' image entry in {kust}")
 Path(kust).write_text(new)
 v = Path(values).read_text()
-new = re.sub(r"(  image:\n    name: )\S+\n    tag: \S+\n", rf'\g<1>{name}\n    tag: "{tag}@{digest}"\n', v)
+# the servers' image (singleuser.image), not the hub's (hub.image: labkit-hub)
+new = re.sub(r"(  image:\n    name: )(\S+/)?labkit\n    tag: \S+\n", rf'\g<1>{name}\n    tag: "{tag}@{digest}"\n', v)
 if new == v and f"{tag}@{digest}" not in v:
     sys.exit(f"pin-image.sh: no singleuser image name/tag in {values}")
 Path(values).write_text(new)

@@ -309,9 +309,40 @@ def test_jupyterhub_values_use_real_traits_and_a_real_authenticator():
         assert not unknown, f"profile {p['slug']}: {unknown}"
     gpu = next(p for p in profiles if p["slug"] == "gpu")["kubespawner_override"]
     assert gpu["extra_resource_limits"]["nvidia.com/gpu"] == "1" and gpu["environment"]["LABKIT_DEVICE"] == "cuda"
-    copy = values["singleuser"]["lifecycleHooks"]["postStart"]["exec"]["command"]
-    assert copy[:2] == ["sh", "-c"] and "cp -n /opt/labkit/student-labs/*.ipynb" in copy[2]
-    assert "labkit.labs.student_labs /opt/labkit/student-labs" in (ROOT / "cluster/jupyterhub/Dockerfile").read_text()
+    # a profile's tolerations replace the chart's for user pods (hub.jupyter.org/dedicated=user): kept
+    assert {t["key"] for t in gpu["tolerations"]} >= {"hub.jupyter.org/dedicated", "hub.jupyter.org_dedicated", "nvidia.com/gpu"}
+    # the exchange every server mounts is a claim of its own manifest, shared by all (ReadWriteMany)
+    claim = _deserialize(yaml.safe_load((HUB / "exchange.yaml").read_text()), "V1PersistentVolumeClaim")
+    mounted = {v["persistentVolumeClaim"]["claimName"] for v in values["singleuser"]["storage"]["extraVolumes"]}
+    assert claim.metadata.name in mounted and claim.spec.access_modes == ["ReadWriteMany"]
+    # every server starts with labkit-start (the person's uid, the student labs), which the image installs
+    assert values["singleuser"]["cmd"][0] == "labkit-start" and "lifecycleHooks" not in values["singleuser"]
+    assert "COPY cluster/jupyterhub/labkit-start.sh /usr/local/bin/labkit-start" in (HUB / "Dockerfile").read_text()
+
+
+def test_the_docs_install_the_hub_as_the_values_file_says():
+    def commands(text: str) -> list[str]:  # continued lines joined, spaces normalised
+        return [" ".join(l.split()) for l in re.sub(r"\\\n", " ", text).splitlines()]
+
+    header = commands("\n".join(l[1:] for l in (HUB / "values.yaml").read_text().splitlines()[1:5]))
+    assert [c.split()[:2] for c in header] == [["kubectl", "create"], ["kubectl", "apply"], ["helm", "upgrade"]]
+    for doc in (ROOT / "book" / "clusters.md", CLUSTER / "README.md"):
+        assert set(header) <= set(commands(doc.read_text())), doc
+
+
+def test_the_hub_image_runs_the_jupyterhub_of_the_servers():
+    """Chart 4.4.0's hub is JupyterHub 5.5.0; the course's hub image installs requirements.txt's pins,
+    those of every server's jupyterhub-singleuser, and values.yaml runs it."""
+    steps = _dockerfile(HUB / "hub.Dockerfile")
+    assert next(a for i, a in steps if i == "ARG").startswith("BASE=quay.io/jupyterhub/k8s-hub:4.4.0")
+    (run,) = [a for i, a in steps if i == "RUN"]
+    pattern = re.search(r"grep -E '(\S+)' /tmp/requirements.txt", run)[1]
+    pins = [l for l in (ROOT / "requirements.txt").read_text().splitlines() if re.match(pattern, l)]
+    assert sorted(p.split("==")[0] for p in pins) == ["jupyterhub", "jupyterhub-kubespawner", "oauthenticator"]
+    values = yaml.safe_load((HUB / "values.yaml").read_text())
+    assert values["hub"]["image"]["name"] == "ghcr.io/training-at-scale/labkit-hub"
+    assert str(values["hub"]["image"]["tag"]) == str(values["singleuser"]["image"]["tag"]).split("@")[0]
+    assert "helm upgrade --install course jupyterhub/jupyterhub --version 4.4.0" in (HUB / "values.yaml").read_text()
 
 
 def _dockerfile(path: Path) -> list[tuple[str, str]]:
@@ -558,7 +589,9 @@ def test_pin_image_pins_the_pushed_digest_in_every_recipe(tmp_path):
     image = yaml.safe_load(kust.read_text())["images"][0]
     assert image == {"name": "labkit", "newName": "ghcr.io/training-at-scale/labkit", "newTag": "0.2.0",
                      "digest": digest}
-    assert yaml.safe_load(values.read_text())["singleuser"]["image"]["tag"] == f"0.2.0@{digest}"
+    pinned = yaml.safe_load(values.read_text())
+    assert pinned["singleuser"]["image"]["tag"] == f"0.2.0@{digest}"
+    assert pinned["hub"]["image"] == yaml.safe_load((HUB / "values.yaml").read_text())["hub"]["image"]  # the hub's own
     assert run("ghcr.io/training-at-scale/labkit:0.2.0").returncode == 0  # again: nothing changes
     assert yaml.safe_load(kust.read_text())["images"][0]["digest"] == digest
     for bad, why in [("labkit:latest", "'latest' moves"), ("ghcr.io/x/labkit@sha256:" + "0" * 64, "already names"),

@@ -1,5 +1,11 @@
 """The hub image runs the course: its file set, built as the Dockerfile builds it (without Docker),
-lists the labs and runs one; without labs/ every entry point says so instead of skipping them."""
+lists the labs and runs one; without labs/ every entry point says so instead of skipping them.
+
+On Kubernetes each person's server runs as their own uid, as on ``make hub``: the hub gives it
+(values.yaml's extraConfig, run here on a real KubeSpawner over a real hub database) and the image's
+first process, ``labkit-start``, becomes it. Its pods are played here by mount namespaces, each with
+the image's passwd file of its own, sharing one exchange folder as the pods share a volume; no
+Kubernetes runs (none can here)."""
 from __future__ import annotations
 
 import os
@@ -8,8 +14,10 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,29 +105,137 @@ def test_without_labs_every_entry_point_says_so(tmp_path):
             (argv, proc.returncode, proc.stderr[-2000:])
 
 
-def test_every_home_gets_the_labs_in_student_form_and_keeps_a_students_work(image, tmp_path):
-    """The image writes the student form (its RUN step) and each server's postStart copies it into the
-    home (values.yaml), never over a lab the student has worked on."""
-    import yaml
+def _servers(profiles: dict[str, str]) -> dict[str, tuple[dict, object]]:
+    """Each person's server environment and pod as the hub makes them: values.yaml's settings as the
+    chart hands them to KubeSpawner, then its extraConfig; ``profiles`` maps names to profile slugs."""
+    import asyncio
+    import types
 
-    (run,) = [a for o, a in _instructions() if o == "RUN" and "labkit.labs.student_labs" in a]
-    folder = re.search(r"python -m labkit\.labs\.student_labs (\S+)", run)[1]
-    out = tmp_path / folder.lstrip("/")
-    proc = subprocess.run([sys.executable, "-m", "labkit.labs.student_labs", str(out)], cwd=tmp_path,
-                          env=_env(image), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    home = tmp_path / "home"
-    (home / "labs").mkdir(parents=True)
-    (home / "labs" / "memory.ipynb").write_text("a student's work")
+    import yaml
+    from jupyterhub import orm
+    from kubespawner import KubeSpawner
+    from traitlets.config import Config
+
     values = yaml.safe_load((ROOT / "cluster" / "jupyterhub" / "values.yaml").read_text())
-    shell, flag, hook = values["singleuser"]["lifecycleHooks"]["postStart"]["exec"]["command"]
-    proc = subprocess.run([shell, flag, hook.replace(folder, str(out))], env={**os.environ, "HOME": str(home)},
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert (home / "labs" / "memory.ipynb").read_text() == "a student's work"
-    labs = sorted((home / "labs").glob("*.ipynb"))
-    assert [p.stem for p in labs] == sorted(p.stem for p in (ROOT / "labs").glob("*.md"))
-    assert (image.parents[1] / "etc/labkit/jupyter/student/labconfig/page_config.json").is_file()
-    for p in (p for p in labs if p.stem != "memory"):
-        text = p.read_text()
-        assert "YOUR CODE HERE" in text and "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text, p.name
+    single, c = values["singleuser"], Config()
+    c.KubeSpawner.update(environment=dict(single["extraEnv"]), uid=single["uid"], fs_gid=single["fsGid"],
+                         cmd=single["cmd"], profile_list=single["profileList"],
+                         volumes=single["storage"]["extraVolumes"], volume_mounts=single["storage"]["extraVolumeMounts"])
+    exec(values["hub"]["extraConfig"]["labkit-people"], {"c": c})
+    db = orm.new_session_factory("sqlite://")()
+    users = [orm.User(name=name) for name in profiles]
+    # the instructors, as secrets.yaml's JupyterHub.load_groups names them: here those starting their profile
+    db.add_all([*users, orm.Group(name="instructors", users=[u for u in users if profiles[u.name] == "instructor"])])
+    db.commit()
+
+    async def server(name: str, slug: str):
+        row = db.query(orm.User).filter_by(name=name).one()
+        user = types.SimpleNamespace(name=name, id=row.id, url=f"/user/{name}/", escaped_name=name, db=db, groups=row.groups)
+        spawner = KubeSpawner(_mock=True, user=user, config=c)
+        spawner.user_options = {"profile": slug}
+        await spawner.load_user_options()  # a profile not offered to this person: ValueError
+        return spawner.get_env(), await spawner.get_pod_manifest()
+
+    # a student asking for the instructors' profile (by the API: the form does not offer it) is refused
+    for name in (n for n, slug in profiles.items() if slug != "instructor"):
+        with pytest.raises(ValueError):
+            asyncio.run(server(name, "instructor"))
+    return {name: asyncio.run(server(name, slug)) for name, slug in profiles.items()}
+
+
+@pytest.fixture(scope="module")
+def servers() -> dict[str, tuple[dict, object]]:
+    import kubespawner.spawner
+
+    with pytest.MonkeyPatch.context() as patch:  # no cluster to read the address of: none is contacted
+        patch.setattr(kubespawner.spawner, "load_config", lambda **kwargs: None)
+        return _servers({"ines": "instructor", "alice": "cpu", "bob": "gpu"})
+
+
+def test_each_server_is_its_persons_own_uid_and_only_an_instructors_knows_everyone(servers):
+    uids = {name: int(env["NB_UID"]) for name, (env, _) in servers.items()}
+    assert len(set(uids.values())) == 3 and min(uids.values()) > 10000
+    for name, (env, pod) in servers.items():
+        assert env["NB_USER"] == name
+        expected = ",".join(f"{n}:{u}" for n, u in uids.items()) if name == "ines" else f"{name}:{uids[name]}"
+        assert env["LABKIT_PEOPLE"] == expected
+        container = pod.spec.containers[0]
+        # root for labkit-start only; no fsGroup: the kubelet would re-own the shared exchange's files
+        assert container.args == ["labkit-start", "jupyterhub-singleuser"] and not container.lifecycle
+        assert container.security_context["runAsUser"] == 0 and not (pod.spec.security_context or {}).get("fsGroup")
+        assert "/srv/nbgrader/exchange" in {m.mount_path for m in container.volume_mounts}
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="the pods are mount namespaces whose first process runs as root (CI runs as root)")
+def test_pods_become_their_person_and_the_exchange_keeps_them_apart(image, servers):
+    """A term through the exchange: Ines releases, Alice and Bob fetch and submit, Bob also under a
+    name not his; Ines's collect names the owner of every submission and flags only the false one."""
+    from labkit.labs.hub_install import BUILD, library_path, users_tools
+
+    python = users_tools()  # in the image, its own Python; here, one every user may run
+    root = image.parents[1]  # the image's /
+    base = Path(tempfile.mkdtemp(prefix="labkit-pods-", dir="/tmp"))  # the people reach /tmp, not pytest's folder
+    try:
+        base.chmod(0o755)
+        shutil.copytree(root / "etc", base / "etc")
+        exchange, labs = base / "exchange", base / "student-labs"
+        exchange.mkdir()  # a new volume: root's, 755
+        subprocess.run([sys.executable, "-m", "labkit.labs.student_labs", str(labs)], check=True, capture_output=True)
+        (base / "home-alice" / "labs").mkdir(parents=True)
+        (base / "home-alice" / "labs" / "memory.ipynb").write_text("Alice's work")
+        for path in (base / "home-alice" / "labs", base / "home-alice" / "labs" / "memory.ipynb"):
+            os.chown(path, int(servers["alice"][0]["NB_UID"]), 100)  # hers, from an earlier start
+
+        def pod(name: str, *cmd: str, **env: str) -> subprocess.CompletedProcess:
+            hub_env, _ = servers[name]
+            config = [hub_env["JUPYTER_CONFIG_PATH"]] if "JUPYTER_CONFIG_PATH" in hub_env else []
+            shutil.copy("/etc/passwd", base / "passwd")  # the image's, as each pod starts with it
+            pod_env = {"PATH": f"{BUILD / 'bin'}:/usr/bin:/bin", "PYTHONWARNINGS": "ignore", **library_path(python),
+                       **{k: hub_env[k] for k in ("NB_USER", "NB_UID", "LABKIT_PEOPLE")},
+                       "NB_HOME": str(base / f"home-{name}"), "NBGRADER_EXCHANGE": str(exchange),
+                       "LABKIT_STUDENT_LABS": str(labs),
+                       "JUPYTER_CONFIG_PATH": ":".join(str(base / p.removeprefix("/")) for p in [*config, "/etc/jupyter"])}
+            return subprocess.run(
+                ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/passwd && exec "$@"', str(base / "passwd"),
+                 str(root / "usr/local/bin/labkit-start"), "env", *(f"{k}={v}" for k, v in env.items()),
+                 "sh", "-c", 'cd "$HOME" && exec "$@"', "sh", *cmd],
+                env=pod_env, capture_output=True, text=True, timeout=300)
+
+        def ok(proc: subprocess.CompletedProcess) -> str:
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+            return proc.stdout + proc.stderr
+
+        nbgrader = (str(python), "-m", "nbgrader")
+        # a one-cell assignment: what crosses the exchange matters here, not how it was made (test_hub)
+        nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("answer = 42")]), base / "memory.ipynb")
+        ok(pod("ines", "sh", "-c", f"mkdir -p course/release/memory && cp {ROOT}/course/nbgrader_config.py course/ && "
+                                   f'cp {base}/memory.ipynb course/release/memory/ && cd course && exec "$@"',
+               "sh", *nbgrader, "release_assignment", "memory"))
+        for name in ("alice", "bob"):
+            out = ok(pod(name, "sh", "-c", 'id -un && "$@" fetch_assignment memory && "$@" submit memory', "sh", *nbgrader))
+            assert out.splitlines()[0] == name
+        ok(pod("bob", *nbgrader, "submit", "memory", "--student=mallory"))  # a name not his
+        inbound = exchange / "training-at-scale" / "inbound"
+        assert "Permission denied" in pod("bob", "ls", str(inbound)).stderr
+        log = ok(pod("ines", "sh", "-c", 'cd course && exec "$@"', "sh", *nbgrader, "collect", "memory"))
+        assert {p.name for p in (base / "home-ines" / "course" / "submitted").iterdir()} == {"alice", "bob", "mallory"}
+        assert re.findall(r"claims to be submitted by (\w+) but is owned by (\w+)", log) == [("mallory", "bob")], log
+        assert exchange.stat().st_mode & 0o7777 == 0o1777
+        for name, (env, _) in servers.items():  # each home its person's and private
+            home = (base / f"home-{name}").stat()
+            assert (home.st_uid, home.st_mode & 0o777) == (int(env["NB_UID"]), 0o700)
+        # the labs in their student form, the image's (its RUN step writes where labkit-start reads),
+        # and Alice's own copy kept
+        (run,) = [a for o, a in _instructions() if o == "RUN" and "labkit.labs.student_labs" in a]
+        folder = re.search(r"python -m labkit\.labs\.student_labs (\S+)", run)[1]
+        assert f"LABKIT_STUDENT_LABS:-{folder}}}" in (root / "usr/local/bin/labkit-start").read_text()
+        copied = sorted((base / "home-alice" / "labs").glob("*.ipynb"))
+        assert [p.stem for p in copied] == sorted(p.stem for p in (ROOT / "labs").glob("*.md"))
+        assert (base / "home-alice" / "labs" / "memory.ipynb").read_text() == "Alice's work"
+        for p in (p for p in copied if p.stem != "memory"):
+            text = p.read_text()
+            assert "YOUR CODE HERE" in text and "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text, p.name
+        assert (root / "etc/labkit/jupyter/student/labconfig/page_config.json").is_file()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

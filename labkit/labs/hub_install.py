@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import stat
 import subprocess
@@ -45,10 +46,13 @@ def _copy_interpreter(exe: Path) -> None:
     copy = exe.parent.parent
     if not exe.is_file():
         skip = shutil.ignore_patterns("site-packages", "test", "__pycache__", "idlelib", "tkinter", "ensurepip")
-        tmp = copy.with_name("python.tmp")
+        tmp = copy.with_name(f"python.tmp{os.getpid()}")  # two processes copying at once each finish one
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(Path(sys.base_prefix), tmp, symlinks=True, ignore=skip)
-        tmp.rename(copy)
+        try:
+            tmp.rename(copy)
+        except OSError:  # the other one's copy is in place
+            shutil.rmtree(tmp)
     site = Path(sysconfig.get_paths(vars={"base": str(copy), "platbase": str(copy)})["purelib"])
     site.mkdir(parents=True, exist_ok=True)
     # addsitedir, not a path line: it also runs .venv's own .pth files (the editable labkit among them)
@@ -62,10 +66,10 @@ def library_path(python: Path) -> dict[str, str]:
     return {"LD_LIBRARY_PATH": str(lib)} if Path(python).is_relative_to(BUILD) else {}
 
 
-def install() -> Path:
-    """What the servers run, written once before the hub starts: the users' interpreter (copied if
-    need be), ``_build/hub/bin`` (python, jupyter, nbgrader, alembic, papermill as the users run them)
-    and the course kernel's spec for that interpreter; the proxy. Returns the interpreter."""
+def users_tools() -> Path:
+    """The users' interpreter (copied first if need be) and ``_build/hub/bin``: python, jupyter,
+    nbgrader, alembic (nbgrader's gradebook runs it) and papermill as the users run them. Returns
+    the interpreter."""
     python = users_python()
     if python != Path(sys.executable):
         _copy_interpreter(python)
@@ -75,8 +79,17 @@ def install() -> Path:
     for name, module in (("python", None), ("python3", None), ("jupyter", "jupyter"), ("nbgrader", "nbgrader"),
                          ("alembic", "alembic"), ("papermill", "papermill")):
         run = f'{env}exec {python} "$@"' if module is None else f'{env}exec {python} -m {module} "$@"'
-        (tools / name).write_text(f"#!/bin/sh\n{run}\n")
-        (tools / name).chmod(0o755)
+        tmp = tools / f".{name}.{os.getpid()}"
+        tmp.write_text(f"#!/bin/sh\n{run}\n")
+        tmp.chmod(0o755)
+        tmp.replace(tools / name)  # whole, for a server that runs it meanwhile
+    return python
+
+
+def install() -> Path:
+    """What the servers run, written once before the hub starts: :func:`users_tools`, the course
+    kernel's spec for that interpreter, and the proxy. Returns the interpreter."""
+    python = users_tools()
     kernel = BUILD / "share" / "jupyter" / "kernels" / "labkit"
     kernel.mkdir(parents=True, exist_ok=True)
     (kernel / "kernel.json").write_text(json.dumps({
