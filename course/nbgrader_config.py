@@ -8,6 +8,7 @@ from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
 from nbgrader.preprocessors import GetGrades
 
 try:
+    from labkit.labs.collect import OwnedCollect
     from labkit.labs.feedback import FeedbackWithoutHiddenTests
     from labkit.labs.student_labs import CODE_STUB, TEXT_STUB
 except ImportError as e:  # traitlets would log it and go on without this file: feedback with hidden tests
@@ -22,6 +23,10 @@ c.CourseDirectory.course_id = os.environ.get("NBGRADER_COURSE_ID", "training-at-
 # release into it and collect from it, students fetch from it and submit into it.
 c.Exchange.root = os.environ.get("NBGRADER_EXCHANGE", "/srv/nbgrader/exchange")
 c.Exchange.timezone = "UTC"
+# Each student's own submission: nbgrader collects the newest filed under a name, whoever made it
+# (`nbgrader submit --student=NAME`); this collect leaves out a folder its owner filed under another
+# name (labkit/labs/collect.py).
+c.ExchangeFactory.collect = OwnedCollect
 
 # Autograding runs each submission in a fresh kernel; a cell that runs longer than this is
 # interrupted and graded as failed, so an infinite loop costs one timeout, not the grading run.

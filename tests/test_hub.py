@@ -328,6 +328,8 @@ def test_a_term_on_the_hub(hub, browser):
     home = {u: Path(pwd.getpwnam(u).pw_dir) for u in (TEACH, ALICE, BOB)}
     # the instructor, in a terminal of theirs: the exercises from the labs, then the release
     assert (home[TEACH] / "course").resolve() == course.resolve()
+    # the course's folder in the exchange, the instructor's from the day they were added
+    assert (state / "exchange" / "training-at-scale").stat().st_uid == pwd.getpwnam(TEACH).pw_uid
     _as(hub, TEACH, "python", "-m", "labkit.labs.assignments", LAB, "--course", f"{home[TEACH]}/course")
     _as(hub, TEACH, "nbgrader", "release_assignment", LAB, cwd=home[TEACH] / "course")
     right, wrong = _answers(hub)

@@ -158,7 +158,7 @@ def test_each_server_is_its_persons_own_uid_and_only_an_instructors_knows_everyo
     for name, (env, pod) in servers.items():
         assert env["NB_USER"] == name
         expected = ",".join(f"{n}:{u}" for n, u in uids.items()) if name == "ines" else f"{name}:{uids[name]}"
-        assert env["LABKIT_PEOPLE"] == expected
+        assert env["LABKIT_PEOPLE"] == expected and env["LABKIT_INSTRUCTOR"] == str(int(name == "ines"))
         container = pod.spec.containers[0]
         # root for labkit-start only; no fsGroup: the kubelet would re-own the shared exchange's files
         assert container.args == ["labkit-start", "jupyterhub-singleuser"] and not container.lifecycle
@@ -169,8 +169,8 @@ def test_each_server_is_its_persons_own_uid_and_only_an_instructors_knows_everyo
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                     reason="the pods are mount namespaces whose first process runs as root (CI runs as root)")
 def test_pods_become_their_person_and_the_exchange_keeps_them_apart(image, servers):
-    """A term through the exchange: Ines releases, Alice and Bob fetch and submit, Bob also under a
-    name not his; Ines's collect names the owner of every submission and flags only the false one."""
+    """A term through the exchange: Ines releases, Alice and Bob fetch and submit, then Bob submits
+    again under Alice's name; Ines's collect takes each student's own, and says what it left out."""
     from labkit.labs.hub_install import BUILD, library_path, users_tools
 
     python = users_tools()  # in the image, its own Python; here, one every user may run
@@ -184,15 +184,14 @@ def test_pods_become_their_person_and_the_exchange_keeps_them_apart(image, serve
         subprocess.run([sys.executable, "-m", "labkit.labs.student_labs", str(labs)], check=True, capture_output=True)
         (base / "home-alice" / "labs").mkdir(parents=True)
         (base / "home-alice" / "labs" / "memory.ipynb").write_text("Alice's work")
-        for path in (base / "home-alice" / "labs", base / "home-alice" / "labs" / "memory.ipynb"):
-            os.chown(path, int(servers["alice"][0]["NB_UID"]), 100)  # hers, from an earlier start
+        # (root's here: hers from an earlier start, under the uid of an earlier hub database)
 
         def pod(name: str, *cmd: str, **env: str) -> subprocess.CompletedProcess:
             hub_env, _ = servers[name]
             config = [hub_env["JUPYTER_CONFIG_PATH"]] if "JUPYTER_CONFIG_PATH" in hub_env else []
-            shutil.copy("/etc/passwd", base / "passwd")  # the image's, as each pod starts with it
+            shutil.copy("/etc/passwd", base / "passwd")  # a fresh one at each start, as a pod's (this machine's)
             pod_env = {"PATH": f"{BUILD / 'bin'}:/usr/bin:/bin", "PYTHONWARNINGS": "ignore", **library_path(python),
-                       **{k: hub_env[k] for k in ("NB_USER", "NB_UID", "LABKIT_PEOPLE")},
+                       **{k: hub_env[k] for k in ("NB_USER", "NB_UID", "LABKIT_PEOPLE", "LABKIT_INSTRUCTOR")},
                        "NB_HOME": str(base / f"home-{name}"), "NBGRADER_EXCHANGE": str(exchange),
                        "LABKIT_STUDENT_LABS": str(labs),
                        "JUPYTER_CONFIG_PATH": ":".join(str(base / p.removeprefix("/")) for p in [*config, "/etc/jupyter"])}
@@ -207,20 +206,29 @@ def test_pods_become_their_person_and_the_exchange_keeps_them_apart(image, serve
             return proc.stdout + proc.stderr
 
         nbgrader = (str(python), "-m", "nbgrader")
+        ok(pod("ines", "true"))  # her server's first start: the course's folder in the exchange is hers
+        shared = (exchange / "training-at-scale").stat()
+        assert (shared.st_uid, shared.st_mode & 0o7777) == (int(servers["ines"][0]["NB_UID"]), 0o755)
         # a one-cell assignment: what crosses the exchange matters here, not how it was made (test_hub)
         nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("answer = 42")]), base / "memory.ipynb")
         ok(pod("ines", "sh", "-c", f"mkdir -p course/release/memory && cp {ROOT}/course/nbgrader_config.py course/ && "
                                    f'cp {base}/memory.ipynb course/release/memory/ && cd course && exec "$@"',
                "sh", *nbgrader, "release_assignment", "memory"))
         for name in ("alice", "bob"):
-            out = ok(pod(name, "sh", "-c", 'id -un && "$@" fetch_assignment memory && "$@" submit memory', "sh", *nbgrader))
-            assert out.splitlines()[0] == name
-        ok(pod("bob", *nbgrader, "submit", "memory", "--student=mallory"))  # a name not his
+            out = ok(pod(name, "sh", "-c", 'id -un && grep -E "^(CapEff|NoNewPrivs)" /proc/self/status && '
+                                           '"$@" fetch_assignment memory && id -un > memory/who && "$@" submit memory',
+                         "sh", *nbgrader))
+            assert out.splitlines()[:3] == [name, "CapEff:\t0000000000000000", "NoNewPrivs:\t1"], out
+        # Bob, later, under Alice's name: the newest submission filed under it
+        ok(pod("bob", "sh", "-c", 'echo bob > memory/who && "$@" submit memory --student=alice', "sh", *nbgrader))
         inbound = exchange / "training-at-scale" / "inbound"
         assert "Permission denied" in pod("bob", "ls", str(inbound)).stderr
         log = ok(pod("ines", "sh", "-c", 'cd course && exec "$@"', "sh", *nbgrader, "collect", "memory"))
-        assert {p.name for p in (base / "home-ines" / "course" / "submitted").iterdir()} == {"alice", "bob", "mallory"}
-        assert re.findall(r"claims to be submitted by (\w+) but is owned by (\w+)", log) == [("mallory", "bob")], log
+        submitted = base / "home-ines" / "course" / "submitted"
+        assert {p.name: (p / "memory" / "who").read_text().strip() for p in submitted.iterdir()} == \
+            {"alice": "alice", "bob": "bob"}
+        assert re.findall(r"filed under (\w+) but owned by (\w+)", log) == [("alice", "bob")], log
+        assert "cheating" not in log, log
         assert exchange.stat().st_mode & 0o7777 == 0o1777
         for name, (env, _) in servers.items():  # each home its person's and private
             home = (base / f"home-{name}").stat()
@@ -232,7 +240,8 @@ def test_pods_become_their_person_and_the_exchange_keeps_them_apart(image, serve
         assert f"LABKIT_STUDENT_LABS:-{folder}}}" in (root / "usr/local/bin/labkit-start").read_text()
         copied = sorted((base / "home-alice" / "labs").glob("*.ipynb"))
         assert [p.stem for p in copied] == sorted(p.stem for p in (ROOT / "labs").glob("*.md"))
-        assert (base / "home-alice" / "labs" / "memory.ipynb").read_text() == "Alice's work"
+        kept = base / "home-alice" / "labs" / "memory.ipynb"
+        assert kept.read_text() == "Alice's work" and kept.stat().st_uid == int(servers["alice"][0]["NB_UID"])
         for p in (p for p in copied if p.stem != "memory"):
             text = p.read_text()
             assert "YOUR CODE HERE" in text and "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text, p.name

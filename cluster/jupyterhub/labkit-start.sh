@@ -5,13 +5,15 @@
 # exchange keeps students apart by file ownership, as the unix users of `make hub` do:
 #   - a passwd entry for them, and one for each person in LABKIT_PEOPLE ("name:uid,..."): an
 #     instructor's server lists everyone, so `nbgrader collect` can name each submission's owner;
-#   - their home made theirs (chown, mode 700), and the exchange's root sticky and writable by all;
+#   - their home made theirs (mode 700, and what is in it: a uid changes with a new hub database),
+#     the exchange's root sticky and writable by all, and on an instructor's server
+#     (LABKIT_INSTRUCTOR=1) the course's folder in it theirs before any student can make it theirs;
 #   - then root dropped for good (setpriv: their uid, group users, no capabilities, no new
 #     privileges), the labs' student form copied into ~/labs (cp -n: a student's work is never
 #     overwritten) and COMMAND started.
 # Started as any other user (docker run, a training pod), it only copies the labs and starts COMMAND.
 #   labkit-start jupyterhub-singleuser
-set -eu
+set -euf # -f: no globbing of what the hub passes
 die() { echo "labkit-start: $*" >&2; exit 2; }
 [ $# -gt 0 ] || die "usage: labkit-start COMMAND [ARG...] (the server to start, e.g. jupyterhub-singleuser)"
 LABS=${LABKIT_STUDENT_LABS:-/opt/labkit/student-labs}
@@ -32,14 +34,14 @@ uid_ok "${NB_UID:-}" || die "NB_UID='${NB_UID:-}' must be a number of at least 1
 HOME_DIR=${NB_HOME:-/home/jovyan} # the home volume's mount point (singleuser.storage.homeMountPath)
 
 # add NAME UID: 0 if NAME is now UID's entry, 1 if the name or the uid belongs to someone else
+# (looked up in /etc/passwd by field: getent would read an all-digit name as a uid)
 add() {
-  by_name=$(getent passwd "$1" | cut -d: -f3) || true
-  by_uid=$(getent passwd "$2" | cut -d: -f1) || true
-  [ "$by_name" = "$2" ] && return 0
-  [ -z "$by_name" ] && [ -z "$by_uid" ] || return 1
+  taken=$(awk -F: -v n="$1" -v u="$2" '$1 == n || $3 == u { print $1 ":" $3; exit }' /etc/passwd)
+  [ "$taken" = "$1:$2" ] && return 0
+  [ -z "$taken" ] || return 1
   echo "$1:x:$2:$GID::$HOME_DIR:/bin/bash" >>/etc/passwd
 }
-add "$NB_USER" "$NB_UID" || die "the image already has a user named $NB_USER or with uid $NB_UID: $(getent passwd "$NB_USER" "$NB_UID" | head -1)"
+add "$NB_USER" "$NB_UID" || die "the image already has a user named $NB_USER or with uid $NB_UID ($(awk -F: -v n="$NB_USER" -v u="$NB_UID" '$1 == n || $3 == u { print $1 ":" $3 }' /etc/passwd | head -1)); that login cannot have a server"
 old_ifs=$IFS
 IFS=,
 for person in ${LABKIT_PEOPLE:-}; do
@@ -51,12 +53,21 @@ done
 IFS=$old_ifs
 
 mkdir -p "$HOME_DIR"
-chown "$NB_UID:$GID" "$HOME_DIR"
-chmod 700 "$HOME_DIR"
+# -xdev: the home volume only; -h: a link itself, never what it points to
+find "$HOME_DIR" -xdev ! -uid "$NB_UID" -exec chown -h "$NB_UID:$GID" {} + && chmod 700 "$HOME_DIR" \
+  || echo "labkit-start: could not make $HOME_DIR $NB_USER's (a volume that squashes root?): their work may not save" >&2
 # Sticky, as /tmp: nobody renames or removes what another put there (the course's folder included).
 # Root on an NFS export with root_squash may not chmod: then the export's owner does it once.
 if [ -d "$EXCHANGE" ] && [ "$(stat -c %a "$EXCHANGE")" != 1777 ]; then
   chmod 1777 "$EXCHANGE" || echo "labkit-start: could not make $EXCHANGE writable by all and sticky (chmod 1777); do it once where the volume is served" >&2
+fi
+COURSE=$EXCHANGE/${NBGRADER_COURSE_ID:-training-at-scale}
+if [ "${LABKIT_INSTRUCTOR:-}" = 1 ] && [ -d "$EXCHANGE" ]; then
+  if [ ! -e "$COURSE" ]; then
+    install -d -o "$NB_UID" -g "$GID" -m 755 "$COURSE"
+  elif [ "$(stat -c %u "$COURSE")" != "$NB_UID" ]; then
+    echo "labkit-start: $COURSE belongs to uid $(stat -c %u "$COURSE"), not $NB_USER: if that is not an instructor, a student made it before the first release; remove it" >&2
+  fi
 fi
 
 exec setpriv --reuid="$NB_UID" --regid="$GID" --clear-groups --inh-caps=-all --no-new-privs \

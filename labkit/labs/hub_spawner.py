@@ -192,6 +192,12 @@ def home_for(user: str, role: str, state: Path, source_labs: Path) -> None:
         if not course.is_symlink() and not course.exists():
             course.symlink_to(state / "course")
             made.append(course)
+        # the course's folder in the exchange, an instructor's before any student can make it theirs
+        # (the exchange is writable by all; nbgrader releases only into a folder the releaser owns)
+        shared = state / "exchange" / json.loads((state / "hub.json").read_text())["course"]
+        if not shared.exists():
+            shared.mkdir(mode=0o755)
+            made.append(shared)
         files = sorted(source_labs.glob("*.md"))
     else:
         files = sorted((state / "student-labs").glob("*.ipynb"))
