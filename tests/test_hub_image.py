@@ -4,8 +4,8 @@ lists the labs and runs one; without labs/ every entry point says so instead of 
 On Kubernetes each person's server runs as their own uid, as on ``make hub``: the hub gives it
 (values.yaml's extraConfig, run here on a real KubeSpawner over a real hub database) and the image's
 first process, ``labkit-start``, becomes it. Its pods are played here by mount namespaces, each with
-the image's passwd file of its own, sharing one exchange folder as the pods share a volume; no
-Kubernetes runs (none can here)."""
+a copy of this machine's passwd file of its own, sharing one exchange folder as the pods share a
+volume; no Kubernetes runs (none can here)."""
 from __future__ import annotations
 
 import os
@@ -248,3 +248,26 @@ def test_pods_become_their_person_and_the_exchange_keeps_them_apart(image, serve
         assert (root / "etc/labkit/jupyter/student/labconfig/page_config.json").is_file()
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def collects_each_students_own(*folders: Path) -> bool:
+    """Whether nbgrader, given each folder's nbgrader_config.py, collects with the course's collect
+    (asked in a fresh interpreter: nbgrader imports setuptools, which fails in a process that has
+    imported the standard library's distutils first)."""
+    code = """if 1:
+        import sys
+        from nbgrader.exchange import ExchangeFactory
+        from traitlets.config.loader import PyFileConfigLoader
+        from labkit.labs.collect import OwnedCollect
+        print([ExchangeFactory(config=PyFileConfigLoader("nbgrader_config.py", f).load_config()).collect is OwnedCollect
+               for f in sys.argv[1:]])
+    """
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, folders)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.strip() == str([True] * len(folders))
+
+
+def test_the_course_and_the_image_collect_each_students_own():
+    # the course directory's settings (nbgrader collect there) and every server's (the formgrader's
+    # Collect button, from the home folder); make hub's are held in test_hub
+    assert collects_each_students_own(ROOT / "course", ROOT / "cluster" / "jupyterhub")

@@ -64,9 +64,10 @@ fi
 COURSE=$EXCHANGE/${NBGRADER_COURSE_ID:-training-at-scale}
 if [ "${LABKIT_INSTRUCTOR:-}" = 1 ] && [ -d "$EXCHANGE" ]; then
   if [ ! -e "$COURSE" ]; then
-    install -d -o "$NB_UID" -g "$GID" -m 755 "$COURSE"
+    install -d -o "$NB_UID" -g "$GID" -m 755 "$COURSE" \
+      || echo "labkit-start: could not make $COURSE $NB_USER's (a volume that squashes root?): create it once where the volume is served, owned by uid $NB_UID" >&2
   elif [ "$(stat -c %u "$COURSE")" != "$NB_UID" ]; then
-    echo "labkit-start: $COURSE belongs to uid $(stat -c %u "$COURSE"), not $NB_USER: if that is not an instructor, a student made it before the first release; remove it" >&2
+    echo "labkit-start: $COURSE belongs to uid $(stat -c %u "$COURSE"), not $NB_USER: if that is not an instructor, a student made it before the first release; remove it as root (kubectl exec into this pod)" >&2
   fi
 fi
 

@@ -1,8 +1,11 @@
 # nbgrader's settings on every course server (the image installs this file as
 # /etc/jupyter/nbgrader_config.py): the course, and the exchange, the shared volume that values.yaml
-# mounts there. An instructor's course directory (course/nbgrader_config.py) says the same.
+# mounts there, and the course's collect. An instructor's course directory (course/nbgrader_config.py)
+# says the same.
 import os
 
 c = get_config()  # noqa: F821 - provided by nbgrader when it loads this file
 c.CourseDirectory.course_id = os.environ.get("NBGRADER_COURSE_ID", "training-at-scale")
 c.Exchange.root = os.environ.get("NBGRADER_EXCHANGE", "/srv/nbgrader/exchange")
+# each student's own submission, also when the formgrader collects (labkit/labs/collect.py)
+c.ExchangeFactory.collect = "labkit.labs.collect.OwnedCollect"
