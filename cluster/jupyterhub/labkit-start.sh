@@ -33,15 +33,18 @@ name_ok "${NB_USER:-}" || die "NB_USER='${NB_USER:-}' is not a user name (lower-
 uid_ok "${NB_UID:-}" || die "NB_UID='${NB_UID:-}' must be a number of at least 1000; the hub sets it (10000 + the person's id)"
 HOME_DIR=${NB_HOME:-/home/jovyan} # the home volume's mount point (singleuser.storage.homeMountPath)
 
+# taken NAME UID: "name:uid" of the entry with that name or that uid, if any (looked up by field:
+# getent would read an all-digit name as a uid)
+taken() { awk -F: -v n="$1" -v u="$2" '$1 == n || $3 == u { print $1 ":" $3; exit }' /etc/passwd; }
 # add NAME UID: 0 if NAME is now UID's entry, 1 if the name or the uid belongs to someone else
-# (looked up in /etc/passwd by field: getent would read an all-digit name as a uid)
 add() {
-  taken=$(awk -F: -v n="$1" -v u="$2" '$1 == n || $3 == u { print $1 ":" $3; exit }' /etc/passwd)
-  [ "$taken" = "$1:$2" ] && return 0
-  [ -z "$taken" ] || return 1
-  echo "$1:x:$2:$GID::$HOME_DIR:/bin/bash" >>/etc/passwd
+  case $(taken "$1" "$2") in
+    "$1:$2") return 0 ;;
+    "") echo "$1:x:$2:$GID::$HOME_DIR:/bin/bash" >>/etc/passwd ;;
+    *) return 1 ;;
+  esac
 }
-add "$NB_USER" "$NB_UID" || die "the image already has a user named $NB_USER or with uid $NB_UID ($(awk -F: -v n="$NB_USER" -v u="$NB_UID" '$1 == n || $3 == u { print $1 ":" $3 }' /etc/passwd | head -1)); that login cannot have a server"
+add "$NB_USER" "$NB_UID" || die "the image already has a user named $NB_USER or with uid $NB_UID ($(taken "$NB_USER" "$NB_UID")); that login cannot have a server"
 old_ifs=$IFS
 IFS=,
 for person in ${LABKIT_PEOPLE:-}; do

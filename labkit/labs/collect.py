@@ -6,7 +6,8 @@ owner is someone else (``nbgrader/exchange/default/collect.py``). The newest is 
 its timestamp is written by the submitter, so a student could have their copy graded in place of
 another's. On a hub where each person is a unix user (``make hub``, and Kubernetes with
 ``labkit-start``), the owner is the truth: :class:`OwnedCollect` leaves out every submission
-not owned by the person it names, and says so. ``course/nbgrader_config.py`` installs it.
+not owned by the person it names, and says so. The course directory's ``nbgrader_config.py``, the
+hub image's and ``make hub``'s per-role settings name it, so the formgrader collects with it too.
 """
 from __future__ import annotations
 
