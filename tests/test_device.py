@@ -108,6 +108,52 @@ def test_fp8_emulation_equals_torchs_fp8_gemm():
     assert (emulated - x @ w.t()).abs().max() < 0.1 * (x @ w.t()).abs().max()
 
 
+
+def _library_gemm(a: torch.Tensor, ta: tuple, b: torch.Tensor, tb: tuple, fmt_a: str) -> torch.Tensor:
+    """``a @ b.T`` (both [rows, K]) through torch._scaled_mm: each operand quantised with its tile, the
+    sum over K taken in the runs of K one scale spans (DeepSeek-V3's kernels promote every 128), each
+    run one GEMM with a scale per row of ``a`` and per column of ``b.T``."""
+    (qa, sa), (qb, sb) = fp8.quantize(a, fmt_a, ta), fp8.quantize(b, "e4m3", tb)
+    run = (ta[1] or a.shape[1])
+    assert (tb[1] or b.shape[1]) == run  # a scale must be constant along the sum
+    out = 0
+    for c in range(0, a.shape[1], run):
+        col = slice(c, c + run)
+        rows_a = sa[:, c // run].repeat_interleave(ta[0] or a.shape[0])[:a.shape[0]]
+        rows_b = sb[:, c // run].repeat_interleave(tb[0] or b.shape[0])[:b.shape[0]]
+        out = out + torch._scaled_mm(qa[:, col].contiguous(), qb[:, col].contiguous().t(),
+                                     scale_a=rows_a[:, None].contiguous(), scale_b=rows_b[None, :].contiguous(),
+                                     out_dtype=torch.float32)
+    return out
+
+
+@pytest.mark.parametrize("recipe", sorted(fp8.RECIPES))
+def test_fp8_linears_three_gemms_equal_torchs_fp8_gemm(recipe):
+    """Forward, input gradient and weight gradient of an FP8Linear, each held against torch._scaled_mm
+    on the same operands: every scale of every GEMM is constant along what it sums (the weight
+    gradient re-tiles the forward's FP8 activation along tokens). One scale per operand, or per row,
+    is one GEMM and equal to the last bit; DeepSeek-V3's tiles are one GEMM per 128-long run, summed."""
+    r = fp8.RECIPES[recipe]
+    gen = torch.Generator().manual_seed(0)
+    x, w, g = (torch.randn(*s, generator=gen) for s in ((256, 384), (256, 384), (256, 256)))
+    lin = fp8.to_fp8(torch.nn.Linear(384, 256, bias=False), recipe, skip=())
+    lin.weight.data.copy_(w)
+    xr = x.clone().requires_grad_()
+    lin(xr).backward(g)
+    t = lambda tile: tile[::-1]  # the same tiles on the transposed operand
+    (fx, fw), (ig, iw), (wg, wx) = r["forward"], r["input_grad"], r["weight_grad"]
+    xq = fp8.fake_quantize(x, "e4m3", fx)
+    want = {"forward": _library_gemm(x, fx, w, fw, "e4m3"),
+            "input_grad": _library_gemm(g, ig, w.t(), t(iw), r["grad_format"]),
+            "weight_grad": _library_gemm(g.t(), t(wg), xq.t(), t(wx), r["grad_format"])}
+    got = {"forward": lin(x), "input_grad": xr.grad, "weight_grad": lin.weight.grad}
+    for gemm in want:
+        if recipe == "block":
+            torch.testing.assert_close(got[gemm], want[gemm], rtol=1e-5, atol=1e-4, msg=gemm)
+        else:
+            assert torch.equal(got[gemm], want[gemm]), (recipe, gemm)
+
+
 def test_fp8_scales_per_tensor_row_and_tile():
     x = torch.randn(256, 512, generator=torch.Generator().manual_seed(0)) * 0.01
     x[:, 7] *= 10_000  # an outlier channel the format's range cannot span with one scale
@@ -145,8 +191,10 @@ def test_fp8_linears_keep_the_head_and_train_like_fp32():
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_fp8_under_ddp_and_fsdp_equals_one_process(strategy):
-    """DeepSeek-V3's tiles scale each token's values on its own, so splitting the batch over ranks
-    changes no scale: the runs differ only where fp32's last bits (another reduction order, another
+    """DeepSeek-V3's tiles scale each token's values on its own in the forward and the input gradient,
+    and 128 tokens together in the weight gradient: each rank's 128 tokens are one process's tile
+    (the first half of the batch, or the second), so splitting the batch over ranks changes no
+    scale. The runs differ only where fp32's last bits (another reduction order, another
     thread count) tip a value over an fp8 rounding boundary (measured: 1e-5 on an AVX2 host, 5.3e-5
     on an AVX-512 one). Per-tensor scales are each rank's own amax over its half of the batch, so
     there every quantized value may move (measured: 1.5e-3), ten times more or worse."""

@@ -473,6 +473,7 @@ def test_inside_device_lab_metrics(lab_metrics):
     by = {r["name"]: r for r in m["ops"]}
     assert by["GELU"]["intensity"] == 1.0 and by["up"]["intensity"] > 50 and by["softmax"]["intensity"] < 1
     assert rec["dev_h100_n_memory"] == 8 and rec["dev_h100_n_ops"] == 15
+    assert rec["dev_residual_kib"] == 512  # 2 x 256 tokens of 256 fp32 values: the chapter's cache claim
     # fusion: 8 eager kernels into 1, which moves exactly the roofline's floor
     assert rec["dev_fusion_eager_kernels"] == 8 and rec["dev_fusion_compiled_kernels"] == 1
     assert rec["dev_fusion_at_floor"] and rec["dev_fusion_byte_ratio"] > 3.9

@@ -128,6 +128,8 @@ def attention_memory(fn, q: Tensor, k: Tensor, v: Tensor) -> dict[str, int]:
     saved: dict[int, int] = {}
 
     def pack(t: Tensor) -> Tensor:
+        if t.dim() == 0:  # a scalar, not attention's data: CUDA's kernels save an RNG seed and offset
+            return t
         st = t.untyped_storage()
         saved.setdefault(st.data_ptr(), st.nbytes())
         return t

@@ -6,14 +6,21 @@ Two 8-bit formats (Micikevicius et al. 2022, "FP8 formats for deep learning", ar
 a *scale* so that its largest magnitude lands at the format's largest value, cast (torch rounds to
 nearest), and multiplied back after the matmul. What the scale is shared over is the recipe:
 
-* ``tensor``: one scale per tensor (Transformer Engine's and torchtitan's default "tensorwise");
-* ``row``: one per row, a token's activations or an output channel's weights ("rowwise");
+* ``tensor``: one scale per tensor (torchao's "tensorwise", which torchtitan uses; Transformer
+  Engine's per-tensor recipes);
+* ``row``: one per row of each GEMM's operands along its contraction, a token's activations or an
+  output channel's weights in the forward ("rowwise", torchao's "axiswise" scaling);
 * ``block``: DeepSeek-V3's fine-grained scaling (DeepSeek-AI 2024, arXiv:2412.19437, section 3.3.2):
   activations and gradients in 1 x 128 tiles, weights in 128 x 128 blocks, E4M3 everywhere.
 
+A scale can only be applied outside a GEMM's sum if it is constant along the dimension the GEMM
+contracts (or, in DeepSeek's kernels, along each 128-long run of it). Each of a linear's three GEMMs
+contracts a different dimension, so each quantises its operands along its own: the weight gradient
+``g.T @ x`` sums over tokens, and takes ``x`` and ``g`` in 128 x 1 tiles where the forward took
+1 x 128 (DeepSeek-V3 section 3.3.3 converts the FP8 activations the same way, from the FP8 copy).
 An outlier then only coarsens its own tile. The emulation quantises and dequantises (the values an
 FP8 GEMM sees) and multiplies in fp32; :func:`torch._scaled_mm` is the library's FP8 GEMM, and the
-tests hold the emulation against it.
+tests hold each of the three GEMMs against it.
 """
 from __future__ import annotations
 
@@ -25,10 +32,17 @@ from torch import Tensor
 from labkit.core.checks import one_of
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-# recipe -> (activation tile, weight tile, gradient tile, gradient format); 0 spans the whole dimension
-RECIPES = {"tensor": ((0, 0), (0, 0), (0, 0), "e5m2"),
-           "row": ((1, 0), (1, 0), (1, 0), "e5m2"),
-           "block": ((1, 128), (128, 128), (1, 128), "e4m3")}
+# recipe -> the scaling tile of each GEMM's two operands (0 spans the whole dimension), as stored:
+# forward x [t, k] @ w[n, k].T, input gradient g [t, n] @ w [n, k], weight gradient g.T @ x; and the
+# gradients' format. Every tile is constant along the GEMM's contraction (k, n and t in turn).
+RECIPES = {
+    "tensor": {"forward": ((0, 0), (0, 0)), "input_grad": ((0, 0), (0, 0)), "weight_grad": ((0, 0), (0, 0)),
+               "grad_format": "e5m2"},
+    "row": {"forward": ((1, 0), (1, 0)), "input_grad": ((1, 0), (0, 1)), "weight_grad": ((0, 1), (0, 1)),
+            "grad_format": "e5m2"},
+    "block": {"forward": ((1, 128), (128, 128)), "input_grad": ((1, 128), (128, 128)),
+              "weight_grad": ((128, 1), (128, 1)), "grad_format": "e4m3"},
+}
 
 
 def _tile(x: Tensor, tile: tuple[int, int]) -> tuple[int, int]:
@@ -75,18 +89,21 @@ def relative_error(x: Tensor, fmt: str = "e4m3", tile: tuple[int, int] = (0, 0))
 class _FP8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, recipe: str) -> Tensor:
-        act, wt, _, _ = RECIPES[recipe]
-        xq, wq = fake_quantize(x, "e4m3", act), fake_quantize(w, "e4m3", wt)
-        ctx.save_for_backward(xq, wq)  # FP8 on a GPU: a quarter of fp32's bytes kept for backward
+        tx, tw = RECIPES[recipe]["forward"]
+        xq, wq = fake_quantize(x, "e4m3", tx), fake_quantize(w, "e4m3", tw)
+        ctx.save_for_backward(xq, w)  # the activation as FP8 (on a GPU a quarter of fp32's bytes)
         ctx.recipe = recipe
         return (xq @ wq.t()).to(x.dtype)
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
-        xq, wq = ctx.saved_tensors
-        _, _, gt, gfmt = RECIPES[ctx.recipe]
-        gq = fake_quantize(g, gfmt, gt)
-        return (gq @ wq).to(g.dtype), (gq.t() @ xq).to(g.dtype), None
+        xq, w = ctx.saved_tensors
+        r = RECIPES[ctx.recipe]
+        (tg, tw), (tg2, tx) = r["input_grad"], r["weight_grad"]
+        dx = fake_quantize(g, r["grad_format"], tg) @ fake_quantize(w, "e4m3", tw)
+        # the weight gradient re-tiles the forward's FP8 activation along tokens (DeepSeek-V3 3.3.3)
+        dw = fake_quantize(g, r["grad_format"], tg2).t() @ fake_quantize(xq, "e4m3", tx)
+        return dx.to(g.dtype), dw.to(g.dtype), None
 
 
 class FP8Linear(nn.Linear):
@@ -102,8 +119,8 @@ class FP8Linear(nn.Linear):
 
 def to_fp8(model: nn.Module, recipe: str = "tensor", skip: tuple[str, ...] = ("head", "lm_head")) -> nn.Module:
     """Every ``nn.Linear`` of ``model`` as :class:`FP8Linear` under ``recipe``, in place, except those
-    named in ``skip`` (the output layer stays in high precision, as DeepSeek-V3 and torchtitan keep
-    it). Weights are not copied: the module's class changes."""
+    named in ``skip`` (the output layer stays in high precision, as DeepSeek-V3 keeps it; torchtitan's
+    ``filter_fqns`` does the same). Weights are not copied: the module's class changes."""
     one_of("recipe", recipe, sorted(RECIPES), "recipes")
     for name, mod in model.named_modules():
         if type(mod) is nn.Linear and name.rsplit(".", 1)[-1] not in skip:
