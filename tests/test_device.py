@@ -154,6 +154,17 @@ def test_fp8_linears_three_gemms_equal_torchs_fp8_gemm(recipe):
             assert torch.equal(got[gemm], want[gemm]), (recipe, gemm)
 
 
+
+def test_fp8_gemm_speed_says_where_fp8_is_hardware(monkeypatch):
+    speed = fp8.gemm_speed(64, "cpu", torch.float32, repeats=1)
+    assert speed["n"] == 64 and speed["flops_per_s"] > 0 and speed["fp8_flops_per_s"] > 0
+    assert speed["fp8_units"] is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, units in (((8, 0), False), ((8, 9), True), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert fp8.has_fp8_units("cuda") is units and fp8.has_fp8_units("cuda:1") is units
+    assert not fp8.has_fp8_units("cpu")
+
 def test_fp8_scales_per_tensor_row_and_tile():
     x = torch.randn(256, 512, generator=torch.Generator().manual_seed(0)) * 0.01
     x[:, 7] *= 10_000  # an outlier channel the format's range cannot span with one scale

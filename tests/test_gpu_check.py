@@ -276,6 +276,26 @@ def test_without_numpy_the_check_still_trains_and_writes_its_report(tmp_path):
     assert report["counts"]["fail"] == 0
 
 
+
+def test_the_device_item_measures_one_device_without_a_plotting_library(tmp_path):
+    """What the chapter "Inside one device" measures, as `make gpu-check` lines on an image with no
+    matplotlib (whose labs are skips there): roofs, block ops, fusion, the FP8 GEMM, FlashAttention."""
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from labkit.labs.gpu_check import main\n"
+            f"sys.exit(main(['--device', 'cpu', '--only', 'device', '--out', {str(tmp_path)!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    items = {i["name"]: i for i in report["items"]}
+    assert list(items) == ["device: roofs", "device: block ops", "device: fusion, chain", "device: fusion, block",
+                           "device: FP8 GEMM", "device: FlashAttention"]
+    assert report["counts"] == {"pass": 6, "fail": 0, "skip": 0}, report["items"]
+    chain = items["device: fusion, chain"]["figures"]
+    assert chain["compiled_kernels"] == 1 and chain["eager_kernels"] == 8 and chain["graph_s"] is None
+    assert items["device: FP8 GEMM"]["figures"]["fp8_units"] is False
+    flash = items["device: FlashAttention"]["figures"]
+    assert flash["saved_bytes"] == flash["sdpa_saved_bytes"] and flash["max_err"] < 1e-4
+
 def test_what_the_check_starts_can_import_labkit_from_an_uninstalled_checkout(tmp_path):
     """Issue 27, item 7: `python3 -m labkit.gpu_check` from a checkout finds labkit in its working
     directory, but torchrun's workers and a lab's child processes did not: PYTHONPATH now names it."""

@@ -136,6 +136,29 @@ def scaled_mm(x: Tensor, w: Tensor) -> Tensor:
     return torch._scaled_mm(xq, wq.t(), scale_a=sx.reshape(()), scale_b=sw.reshape(()), out_dtype=torch.float32)
 
 
+
+def has_fp8_units(device: str) -> bool:
+    """Whether ``device`` multiplies FP8 in hardware: NVIDIA's compute capability 8.9 (Ada) and later
+    (Hopper, Blackwell) have FP8 tensor cores; a CPU, or an older GPU, emulates the format."""
+    return device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def gemm_speed(n: int, device: str = "cpu", dtype: torch.dtype = torch.float32, repeats: int = 5) -> dict:
+    """An ``n`` x ``n`` x ``n`` GEMM in ``dtype`` and through :func:`torch._scaled_mm` on E4M3 operands
+    (per-tensor scales, the output in ``dtype``): FLOP/s each, and whether the device has FP8 units."""
+    from labkit.device.fusion import best_seconds
+
+    g = torch.Generator(device=device).manual_seed(0)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype, generator=g) for _ in range(2))
+    (aq, sa), (bq, sb) = quantize(a), quantize(b)
+    bt, sa, sb = bq.t(), sa.reshape(()), sb.reshape(())  # bq.t(): column-major, as the GEMM wants it
+    flops = 2 * n ** 3
+    plain = best_seconds(torch.matmul, a, b.t(), repeats=repeats)
+    fp8 = best_seconds(lambda *_: torch._scaled_mm(aq, bt, scale_a=sa, scale_b=sb, out_dtype=dtype), a,
+                       repeats=repeats)
+    return {"n": n, "dtype": str(dtype).removeprefix("torch."), "flops_per_s": flops / plain,
+            "fp8_flops_per_s": flops / fp8, "fp8_units": has_fp8_units(device)}
+
 def fsdp_bytes_per_step(n_params: float, world: int, gather_bytes: int, grad_bytes: int = 4) -> dict[str, float]:
     """Bytes one rank sends per step under FSDP: the parameters all-gathered for forward and again for
     backward at ``gather_bytes`` per value (2 in bf16; 1 in FP8, torchtitan's float8 all-gather), the

@@ -14,6 +14,9 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
+import shutil
+import sysconfig
 import time
 from typing import Callable
 
@@ -37,7 +40,8 @@ def _nbytes(tree) -> int:
 
 
 class _Traffic(TorchDispatchMode):
-    """Every aten op's inputs and outputs, in bytes, and the number of ops (eager: one kernel each)."""
+    """Every aten op's inputs and outputs, in bytes, and the number of ops (eager: one kernel each).
+    A view (a reshape, a transpose) launches nothing and moves nothing: it is not counted."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -45,8 +49,9 @@ class _Traffic(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.bytes += _nbytes((args, kwargs)) + _nbytes(out)
-        self.ops += 1
+        if not getattr(func, "is_view", False):
+            self.bytes += _nbytes((args, kwargs)) + _nbytes(out)
+            self.ops += 1
         return out
 
 
@@ -83,6 +88,19 @@ def compile_with_traffic(fn: Callable, *args: Tensor) -> tuple[Callable, dict[st
     return compiled, {"compile_s": seconds, "bytes": metrics.num_bytes_accessed,
                       "kernels": len(metrics.nodes_num_elem)}
 
+
+
+def eager_and_compiled(fn: Callable, *args: Tensor, repeats: int = 10) -> dict[str, float | int | None]:
+    """``fn`` on ``args`` eager and compiled: kernels and bytes each way (:func:`eager_traffic`,
+    :func:`compile_with_traffic`), the seconds compiling took, the best time per call each way with
+    the host's launches counted, and the eager call replayed as a CUDA graph (None off CUDA)."""
+    eager = eager_traffic(fn, *args)
+    compiled, info = compile_with_traffic(fn, *args)
+    return {"eager_kernels": eager["kernels"], "eager_bytes": eager["bytes"],
+            "compiled_kernels": info["kernels"], "compiled_bytes": info["bytes"], "compile_s": info["compile_s"],
+            "eager_s": best_seconds(fn, *args, repeats=repeats, launches=True),
+            "compiled_s": best_seconds(compiled, *args, repeats=repeats, launches=True),
+            "graph_s": cuda_graph_seconds(fn, *args, repeats=repeats)}
 
 def floor_bytes(args: tuple[Tensor, ...], out: Tensor) -> int:
     """The roofline's compulsory traffic: every input read once, the output written once."""
@@ -146,3 +164,11 @@ def cuda_graph_seconds(fn: Callable, *args: Tensor, repeats: int = 10) -> float 
         with torch.cuda.graph(graph):
             fn(*args)
     return best_seconds(lambda *_: graph.replay(), *args, repeats=repeats, launches=True)
+
+
+def toolchain() -> dict[str, str | bool | None]:
+    """What ``torch.compile`` needs besides torch: a C compiler (Inductor's CPU code, and Triton's
+    launcher on a GPU) and the Python headers to build against."""
+    cc = next((found for name in (os.environ.get("CC"), "gcc", "cc", "clang") if name
+               for found in [shutil.which(name)] if found), None)
+    return {"c_compiler": cc, "python_headers": os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))}

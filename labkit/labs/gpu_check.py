@@ -2,7 +2,8 @@
 
 One command for an instructor on a fresh GPU machine. It checks the environment, runs every strategy
 on the node's GPUs against one process, the precision paths, the speed (MFU) of the GPT at GPT-2
-small's shape in bf16 with its memory against the calculator, and every lab's ``gpu`` profile
+small's shape in bf16 with its memory against the calculator, what one device does (its roofs,
+fusion, FP8 GEMMs, FlashAttention: :mod:`labkit.labs.gpu_items_device`), and every lab's ``gpu`` profile
 trimmed to a few steps (:data:`labkit.labs.profiles.GPU_CHECK`); it prints one pass/fail/skip line
 per item and writes ``gpu_check.json`` and ``gpu_check.md`` into ``--out``.
 
@@ -25,13 +26,13 @@ from typing import Callable
 
 from labkit.core.checks import output_dir, positive_int
 from labkit.core.cli import ArgumentParser
-from labkit.labs import gpu_items, gpu_items_parallel
+from labkit.labs import gpu_items, gpu_items_device, gpu_items_parallel
 from labkit.labs.gpu_items import Item, Setting, has, log
 from labkit.labs.profiles import GPU_CHECK
 from labkit.labs.runner import ROOT, list_labs
 from labkit.labs.script import LabSkipped
 
-ITEMS = ("environment", "strategies", "context", "experts", "precision", "speed", "determinism", "labs")
+ITEMS = ("environment", "strategies", "context", "experts", "precision", "speed", "device", "determinism", "labs")
 STATUS = {"pass": "PASS", "fail": "FAIL", "skip": "SKIP"}
 
 
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "labs":
             items += lab_items(s, labs, profile, args.out / "labs", args.as_script)
         else:
-            module = gpu_items_parallel if hasattr(gpu_items_parallel, name) else gpu_items
+            module = next(m for m in (gpu_items_device, gpu_items_parallel, gpu_items) if hasattr(m, name))
             items += _guarded(name, lambda name=name, module=module: getattr(module, name)(s))
     js, md = report(items, s, args.out)
     failed = [i.name for i in items if i.status == "fail"]

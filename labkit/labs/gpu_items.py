@@ -17,11 +17,8 @@ with the package's name, never a traceback; anything else that goes wrong is a `
 from __future__ import annotations
 
 import importlib.util
-import os
 import platform
-import shutil
 import sys
-import sysconfig
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -81,6 +78,8 @@ def _version(package: str) -> str | None:
 def environment(s: Setting) -> list[Item]:
     import torch
 
+    from labkit.device.fusion import toolchain
+
     cuda = torch.cuda.is_available()
     gpus = [{"name": torch.cuda.get_device_name(i),
              "memory_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)}
@@ -89,7 +88,7 @@ def environment(s: Setting) -> list[Item]:
     figs = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "nccl": nccl, "cudnn": torch.backends.cudnn.version() if cuda else None, "gpus": gpus,
             "packages": {p: _version(p) for p in OPTIONAL}, "platform": platform.platform(),
-            **compiler()}
+            **toolchain()}
     missing = [p for p, v in figs["packages"].items() if v is None]
     where = (f"{len(gpus)} x {gpus[0]['name']}" if gpus else "no GPU") + f", torch {torch.__version__}"
     where += f", CUDA {torch.version.cuda}, NCCL {nccl}" if cuda else f" ({s.device} check)"
@@ -100,13 +99,6 @@ def environment(s: Setting) -> list[Item]:
                  where + (f"; not installed: {', '.join(missing)}" if missing else "")
                  + (f"; torch.compile will fail, no {' nor '.join(lacks)}" if lacks else ""), figs)]
 
-
-def compiler() -> dict[str, Any]:
-    """What ``torch.compile`` needs besides torch: a C compiler (Inductor's CPU code, and Triton's
-    launcher on a GPU) and the Python headers to build against."""
-    cc = next((found for name in (os.environ.get("CC"), "gcc", "cc", "clang") if name
-               for found in [shutil.which(name)] if found), None)
-    return {"c_compiler": cc, "python_headers": os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))}
 
 
 def model_for(s: Setting):

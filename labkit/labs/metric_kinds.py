@@ -95,6 +95,7 @@ LABS: dict[str, list[tuple[str, Kind]]] = {
                                               "recorded/dev_n_memory_bound", "recorded/dev_gflops",
                                               "recorded/dev_gbps", "recorded/dev_ridge", "recorded/dev_*_of_roof",
                                               "recorded/dev_time_memory_share", "recorded/dev_flop_memory_share",
+                                              "recorded/dev_fp8_gemm_ratio",
                                               "recorded/dev_fusion_speedup")],
     "finetuning": [("samples/*", FROM_FLOATS)],
     "packing": [("training/*/loss", EXACT), ("training/*/padding", EXACT), ("training/*/real_tokens", EXACT),

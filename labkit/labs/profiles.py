@@ -245,7 +245,8 @@ PROFILES["composing"] = {
 # One device: its roofs and a GPT block's ops (one thread on CPU), a fused chain, FlashAttention, FP8.
 _DEVICE = dict(repeats=5, n_head=4, attn_heads=4, attn_head_dim=32, attn_block=64, attn_check_seq=128,
                fp8_n_layer=2, fp8_n_head=4, fp8_n_embd=128, fp8_block_size=64, fp8_batch=8, fp8_lr=1e-3, seed=0,
-               fp8_precisions=["fp32", "bf16", "fp8", "fp8-block"], outlier_ratios=[100, 10000])
+               fp8_precisions=["fp32", "bf16", "fp8", "fp8-block"], outlier_ratios=[100, 10000],
+               fp8_gemm_n=512)
 PROFILES["inside_device"] = {
     "cpu": dict(_DEVICE, device="cpu", dtype="fp32", roof_sizes=[256, 512, 1024], copy_mb=64, n_embd=256,
                 seq=256, batch=4, fusion_tokens=[2048, 8192, 32768], fusion_width=256,
@@ -256,7 +257,7 @@ PROFILES["inside_device"] = {
     # bf16 at a Llama-7B block's width and context
     "gpu": dict(_DEVICE, device="cuda", dtype="bf16", roof_sizes=[4096, 8192], copy_mb=1024, n_embd=4096, n_head=32,
                 seq=4096, batch=1, fusion_tokens=[8192, 65536, 262144], fusion_width=4096,
-                attn_seq_lens=[1024, 2048, 4096, 8192], fp8_steps=200),
+                attn_seq_lens=[1024, 2048, 4096, 8192], fp8_steps=200, fp8_gemm_n=8192),
 }
 
 # `make gpu-check` runs every lab's gpu profile with these overrides: the same code paths in a few
