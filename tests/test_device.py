@@ -109,13 +109,13 @@ def test_fp8_emulation_equals_torchs_fp8_gemm():
 
 
 
-def _library_gemm(a: torch.Tensor, ta: tuple, b: torch.Tensor, tb: tuple, fmt_a: str) -> torch.Tensor:
+def _library_gemm(a: torch.Tensor, ta: tuple, b: torch.Tensor, tb: tuple, fmt_a: str, run: int) -> torch.Tensor:
     """``a @ b.T`` (both [rows, K]) through torch._scaled_mm: each operand quantised with its tile, the
-    sum over K taken in the runs of K one scale spans (DeepSeek-V3's kernels promote every 128), each
-    run one GEMM with a scale per row of ``a`` and per column of ``b.T``."""
+    sum over K taken in runs of ``run`` (the whole of K, or DeepSeek-V3's 128: its kernels promote the
+    sum every 128), each run one GEMM with a scale per row of ``a`` and per column of ``b.T``: a scale
+    that changed within a run could not be applied after that run's GEMM."""
     (qa, sa), (qb, sb) = fp8.quantize(a, fmt_a, ta), fp8.quantize(b, "e4m3", tb)
-    run = (ta[1] or a.shape[1])
-    assert (tb[1] or b.shape[1]) == run  # a scale must be constant along the sum
+    assert (ta[1] or a.shape[1]) == (tb[1] or b.shape[1]) == run, (ta, tb, run)
     out = 0
     for c in range(0, a.shape[1], run):
         col = slice(c, c + run)
@@ -132,8 +132,11 @@ def test_fp8_linears_three_gemms_equal_torchs_fp8_gemm(recipe):
     """Forward, input gradient and weight gradient of an FP8Linear, each held against torch._scaled_mm
     on the same operands: every scale of every GEMM is constant along what it sums (the weight
     gradient re-tiles the forward's FP8 activation along tokens). One scale per operand, or per row,
-    is one GEMM and equal to the last bit; DeepSeek-V3's tiles are one GEMM per 128-long run, summed."""
+    is one GEMM over the whole sum; DeepSeek-V3's tiles are one GEMM per 128-long run, summed. On a
+    CPU torch._scaled_mm multiplies in fp32 as the emulation does: what is held is which scale goes
+    with which rows and columns."""
     r = fp8.RECIPES[recipe]
+    run = {"tensor": None, "row": None, "block": 128}[recipe]  # None: the whole of what is summed
     gen = torch.Generator().manual_seed(0)
     x, w, g = (torch.randn(*s, generator=gen) for s in ((256, 384), (256, 384), (256, 256)))
     lin = fp8.to_fp8(torch.nn.Linear(384, 256, bias=False), recipe, skip=())
@@ -143,9 +146,9 @@ def test_fp8_linears_three_gemms_equal_torchs_fp8_gemm(recipe):
     t = lambda tile: tile[::-1]  # the same tiles on the transposed operand
     (fx, fw), (ig, iw), (wg, wx) = r["forward"], r["input_grad"], r["weight_grad"]
     xq = fp8.fake_quantize(x, "e4m3", fx)
-    want = {"forward": _library_gemm(x, fx, w, fw, "e4m3"),
-            "input_grad": _library_gemm(g, ig, w.t(), t(iw), r["grad_format"]),
-            "weight_grad": _library_gemm(g.t(), t(wg), xq.t(), t(wx), r["grad_format"])}
+    want = {"forward": _library_gemm(x, fx, w, fw, "e4m3", run or 384),
+            "input_grad": _library_gemm(g, ig, w.t(), t(iw), r["grad_format"], run or 256),
+            "weight_grad": _library_gemm(g.t(), t(wg), xq.t(), t(wx), r["grad_format"], run or 256)}
     got = {"forward": lin(x), "input_grad": xr.grad, "weight_grad": lin.weight.grad}
     for gemm in want:
         if recipe == "block":

@@ -17,10 +17,12 @@ A scale can only be applied outside a GEMM's sum if it is constant along the dim
 contracts (or, in DeepSeek's kernels, along each 128-long run of it). Each of a linear's three GEMMs
 contracts a different dimension, so each quantises its operands along its own: the weight gradient
 ``g.T @ x`` sums over tokens, and takes ``x`` and ``g`` in 128 x 1 tiles where the forward took
-1 x 128 (DeepSeek-V3 section 3.3.3 converts the FP8 activations the same way, from the FP8 copy).
+1 x 128 (DeepSeek-V3 section 3.3.3 converts the FP8 activations the same way, from the FP8 copy;
+every recipe here re-tiles that copy, where torchao's axiswise recipe quantises the high-precision
+activation again, one rounding fewer).
 An outlier then only coarsens its own tile. The emulation quantises and dequantises (the values an
 FP8 GEMM sees) and multiplies in fp32; :func:`torch._scaled_mm` is the library's FP8 GEMM, and the
-tests hold each of the three GEMMs against it.
+tests hold each of the three GEMMs' scales (which scale goes with which rows and columns) against it.
 """
 from __future__ import annotations
 
@@ -145,7 +147,8 @@ def has_fp8_units(device: str) -> bool:
 
 def gemm_speed(n: int, device: str = "cpu", dtype: torch.dtype = torch.float32, repeats: int = 5) -> dict:
     """An ``n`` x ``n`` x ``n`` GEMM in ``dtype`` and through :func:`torch._scaled_mm` on E4M3 operands
-    (per-tensor scales, the output in ``dtype``): FLOP/s each, and whether the device has FP8 units."""
+    (per-tensor scales, the output in ``dtype``, fast accumulation as torchao's forward uses it):
+    FLOP/s each, and whether the device has FP8 units."""
     from labkit.device.fusion import best_seconds
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -154,8 +157,8 @@ def gemm_speed(n: int, device: str = "cpu", dtype: torch.dtype = torch.float32, 
     bt, sa, sb = bq.t(), sa.reshape(()), sb.reshape(())  # bq.t(): column-major, as the GEMM wants it
     flops = 2 * n ** 3
     plain = best_seconds(torch.matmul, a, b.t(), repeats=repeats)
-    fp8 = best_seconds(lambda *_: torch._scaled_mm(aq, bt, scale_a=sa, scale_b=sb, out_dtype=dtype), a,
-                       repeats=repeats)
+    fp8 = best_seconds(lambda *_: torch._scaled_mm(aq, bt, scale_a=sa, scale_b=sb, out_dtype=dtype,
+                                                   use_fast_accum=True), a, repeats=repeats)
     return {"n": n, "dtype": str(dtype).removeprefix("torch."), "flops_per_s": flops / plain,
             "fp8_flops_per_s": flops / fp8, "fp8_units": has_fp8_units(device)}
 

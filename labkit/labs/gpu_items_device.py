@@ -5,7 +5,7 @@ and these are the figures the chapter's ``gpu`` profile exists for.
 * the device's two roofs (the best matmul in the check's precision, a streaming copy) against its
   datasheet;
 * each op of a Llama-2-7B block (one 4,096-token sequence) against its roofline bound;
-* fusion: the memory-bound chain and a whole block, eager, compiled and replayed as a CUDA graph
+* fusion: an illustrative chain of element-wise ops and a whole block, eager, compiled and replayed as a CUDA graph
   (compiling passes when it moves fewer bytes and launches no more kernels);
 * an FP8 GEMM (``torch._scaled_mm``) against one in the check's precision, and whether FP8 is hardware;
 * the from-scratch FlashAttention against ``scaled_dot_product_attention``: error and saved bytes.
