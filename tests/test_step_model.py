@@ -8,6 +8,7 @@ import shlex
 import pytest
 
 from labkit.memory import MODELS
+from labkit.memory.architecture import ModelShape
 from labkit.parallel.pipeline_timeline import bubble_formula
 from labkit.planning import collectives as C
 from labkit.planning import plan_cli
@@ -41,11 +42,28 @@ def test_megatron_equation_3_counts_four_passes_over_the_weights_plus_attention_
     assert megatron_flops(shape, 1) == pytest.approx(weights * (1 + s / (6 * h) + V / (16 * l * h)))
 
 
-def test_palm_convention_is_six_per_non_embedding_parameter_plus_twelve_lhs():
+def test_palm_convention_is_six_per_matmul_weight_plus_twelve_lhs():
     shape = MODELS["llama3-8b"]
     attention = 12 * shape.n_layer * shape.hidden * shape.seq_len
-    assert model_flops_per_token(shape) == 6 * (shape.n_params - shape.vocab * shape.hidden) + attention
+    norms = shape.hidden * (2 * shape.n_layer + 1)  # untied: the parameters less the embedding and the norms
+    assert model_flops_per_token(shape) == 6 * (shape.n_params - shape.vocab * shape.hidden - norms) + attention
     assert model_flops_per_token(shape, causal=True) == model_flops_per_token(shape) - attention / 2
+
+
+def test_a_tied_output_layer_still_multiplies_and_the_planner_counts_as_training_does():
+    """GPT-2 ties its output layer to the token embedding: one V x h matrix among the parameters, two
+    uses, and the output layer's 6 V h FLOPs per token (37% of GPT-2 small's) are model FLOPs all the
+    same. The planner's MFU and the one training reports (labkit.planning.cost) count alike."""
+    from labkit.planning.cost import flops_per_token
+
+    tied = ModelShape.from_dims("gpt", 768, 12, 12, 50257, 1024)
+    untied = ModelShape.from_dims("gpt", 768, 12, 12, 50257, 1024, tied=False)
+    assert untied.n_params - tied.n_params == 50257 * 768
+    assert model_flops_per_token(tied) == model_flops_per_token(untied)
+    for causal in (False, True):
+        assert model_flops_per_token(tied, causal) == flops_per_token(12, 768, 1024, 50257, causal=causal)
+    moe = MODELS["mixtral-8x7b"]  # two of eight experts per token
+    assert model_flops_per_token(moe) < 6 * moe.active_params + 12 * moe.n_layer * moe.hidden * moe.seq_len
 
 
 def test_collectives_pay_latency_per_step_and_choose_the_tree_at_scale():

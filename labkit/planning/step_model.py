@@ -234,13 +234,23 @@ def expert_params(shape: ModelShape) -> float:
     return shape.n_layer * sum(k * n * copies for k, n, copies in linear_layers(shape).values() if copies > 1)
 
 
+def matmul_weights_per_token(shape: ModelShape) -> float:
+    """The weights one token is multiplied by: every block's projections (of the experts it is routed
+    to, not all of them) and the output layer, tied to the token embedding or not. The embedding is a
+    lookup; norms and biases are a rounding error."""
+    per_layer = sum(k * n * (shape.experts_per_token if copies > 1 else copies)
+                    for k, n, copies in linear_layers(shape).values())
+    return shape.n_layer * per_layer + shape.vocab * shape.hidden
+
+
 def model_flops_per_token(shape: ModelShape, causal: bool = False) -> float:
-    """The MFU convention of PaLM (Chowdhery et al. 2022, appendix B) as torchtitan computes it:
-    6 per non-embedding parameter plus 12 L h s for the attention scores, all of them (``causal``
-    halves that term, as FlashAttention's FLOP count does)."""
-    embedding = shape.vocab * shape.hidden
+    """The MFU convention of PaLM (Chowdhery et al. 2022, appendix B): 6 per weight of every matrix
+    multiply (:func:`matmul_weights_per_token`: torchtitan's non-embedding parameters, with a tied
+    output layer counted, which multiplies all the same) plus 12 L h s for the attention scores, all
+    of them (``causal`` halves that term, as FlashAttention's FLOP count does). For a GPT this is
+    :func:`labkit.planning.cost.flops_per_token`, the count training's MFU uses."""
     attention = 12 * shape.n_layer * shape.heads * shape.d_head * shape.seq_len * (0.5 if causal else 1.0)
-    return 6 * (shape.active_params - embedding) + attention
+    return 6 * matmul_weights_per_token(shape) + attention
 
 
 def predict(shape: ModelShape, plan: Plan, hw: Hardware, ops: Operators = NO_OPERATORS,
