@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -104,6 +105,24 @@ def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Ten
         S = q.shape[2]
         s = s.masked_fill(torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     return torch.softmax(s, dim=-1) @ v
+
+
+def error_against_sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, block: int = 64) -> float:
+    """The largest difference between :func:`flash_attention` and PyTorch's
+    ``scaled_dot_product_attention`` over the output and the three gradients (for one random output
+    gradient), with fp32 matmuls in full precision whatever the process set (TF32 would hide it)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        grad = torch.randn_like(ref)
+        want = torch.autograd.grad(ref, (q, k, v), grad)
+        out = flash_attention(q, k, v, causal, block)
+        got = torch.autograd.grad(out, (q, k, v), grad)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    return max([(out - ref).abs().max().item()] + [(a - b).abs().max().item() for a, b in zip(got, want)])
 
 
 class _Largest(TorchDispatchMode):

@@ -138,7 +138,6 @@ def scaled_mm(x: Tensor, w: Tensor) -> Tensor:
     return torch._scaled_mm(xq, wq.t(), scale_a=sx.reshape(()), scale_b=sw.reshape(()), out_dtype=torch.float32)
 
 
-
 def has_fp8_units(device: str) -> bool:
     """Whether ``device`` multiplies FP8 in hardware: NVIDIA's compute capability 8.9 (Ada) and later
     (Hopper, Blackwell) have FP8 tensor cores; a CPU, or an older GPU, emulates the format."""
@@ -161,6 +160,7 @@ def gemm_speed(n: int, device: str = "cpu", dtype: torch.dtype = torch.float32, 
                                                    use_fast_accum=True), a, repeats=repeats)
     return {"n": n, "dtype": str(dtype).removeprefix("torch."), "flops_per_s": flops / plain,
             "fp8_flops_per_s": flops / fp8, "fp8_units": has_fp8_units(device)}
+
 
 def fsdp_bytes_per_step(n_params: float, world: int, gather_bytes: int, grad_bytes: int = 4) -> dict[str, float]:
     """Bytes one rank sends per step under FSDP: the parameters all-gathered for forward and again for

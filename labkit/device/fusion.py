@@ -21,6 +21,7 @@ import time
 from typing import Callable
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -33,6 +34,26 @@ def silu_residual_rmsnorm(x: Tensor, bias: Tensor, residual: Tensor) -> Tensor:
     weight: it would be one more multiply). Eight kernels eager."""
     y = F.silu(x + bias) + residual
     return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def chain_inputs(tokens: int, width: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Random ``x`` and ``residual`` of ``tokens`` x ``width`` and a ``bias`` of ``width``, for
+    :func:`silu_residual_rmsnorm`."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return tuple(torch.randn(*s, device=device, dtype=dtype, generator=g) for s in ((tokens, width), (width,),
+                                                                                   (tokens, width)))
+
+
+def block_and_input(width: int, heads: int, batch: int, seq: int, device: str = "cpu",
+                    dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[nn.Module, Tensor]:
+    """One transformer block of the lab GPT (:class:`labkit.core.model.Block`), in eval mode, and a
+    random input of ``batch`` x ``seq`` x ``width`` for it."""
+    from labkit.core.model import Block, GPTConfig
+
+    block = Block(GPTConfig(n_layer=1, n_head=heads, n_embd=width, block_size=seq)).to(device, dtype).eval()
+    g = torch.Generator(device=device).manual_seed(seed)
+    return block, torch.randn(batch, seq, width, device=device, dtype=dtype, generator=g)
 
 
 def _nbytes(tree) -> int:
@@ -96,7 +117,6 @@ def _launches(entry: tuple) -> bool:
     return type(node).__name__ != "NopKernelSchedulerNode" and type(getattr(node, "node", None)).__name__ != "MultiOutput"
 
 
-
 def eager_and_compiled(fn: Callable, *args: Tensor, repeats: int = 10) -> dict[str, float | int | None]:
     """``fn`` on ``args`` eager and compiled: kernels and bytes each way (:func:`eager_traffic`,
     :func:`compile_with_traffic`), the seconds compiling took, the best time per call each way with
@@ -108,6 +128,7 @@ def eager_and_compiled(fn: Callable, *args: Tensor, repeats: int = 10) -> dict[s
             "eager_s": best_seconds(fn, *args, repeats=repeats, launches=True),
             "compiled_s": best_seconds(compiled, *args, repeats=repeats, launches=True),
             "graph_s": cuda_graph_seconds(fn, *args, repeats=repeats)}
+
 
 def floor_bytes(args: tuple[Tensor, ...], out: Tensor) -> int:
     """The roofline's compulsory traffic: every input read once, the output written once."""

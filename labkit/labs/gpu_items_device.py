@@ -5,8 +5,8 @@ and these are the figures the chapter's ``gpu`` profile exists for.
 * the device's two roofs (the best matmul in the check's precision, a streaming copy) against its
   datasheet;
 * each op of a Llama-2-7B block (one 4,096-token sequence) against its roofline bound;
-* fusion: an illustrative chain of element-wise ops and a whole block, eager, compiled and replayed as a CUDA graph
-  (compiling passes when it moves fewer bytes and launches no more kernels);
+* fusion: an illustrative chain of element-wise ops and a whole block, eager, compiled and replayed
+  as a CUDA graph (compiling passes when it moves fewer bytes and launches no more kernels);
 * an FP8 GEMM (``torch._scaled_mm``) against one in the check's precision, and whether FP8 is hardware;
 * the from-scratch FlashAttention against ``scaled_dot_product_attention``: error and saved bytes.
 
@@ -48,15 +48,14 @@ def device(s: Setting) -> list[Item]:
 
 
 def _roofs(dev: str, z: dict) -> list[Item]:
-    from labkit.device.measure import measure_rates, time_block_ops
-    from labkit.device.roofline import Roof
+    from labkit.device.measure import measured_roof, time_block_ops
     from labkit.memory.architecture import ModelShape
 
-    rates = measure_rates(dev, z["dtype"], sizes=z["roof_sizes"], copy_bytes=z["copy_mb"] << 20)
-    roof = Roof(z["name"], rates["matmul_flops"], rates["bytes_per_s"])
+    roof = measured_roof(dev, z["dtype"], sizes=z["roof_sizes"], copy_bytes=z["copy_mb"] << 20)
     items = [Item("device: roofs", "pass", f"{z['name']}: best {str(z['dtype'])[6:]} matmul "
                   f"{roof.flops_per_s / 1e12:.1f} TFLOP/s, copy {roof.bytes_per_s / 1e12:.2f} TB/s, ridge "
-                  f"{roof.ridge:.0f} FLOP/B{_datasheet(z['name'], roof)}", dict(rates, ridge=roof.ridge))]
+                  f"{roof.ridge:.0f} FLOP/B{_datasheet(z['name'], roof)}",
+                  {"flops_per_s": roof.flops_per_s, "bytes_per_s": roof.bytes_per_s, "ridge": roof.ridge})]
     shape = ModelShape.from_dims(z["family"], z["hidden"], 1, z["heads"], 32000, z["seq"])
     rows = time_block_ops(shape, 1, z["seq"], roof, dev, z["dtype"], repeats=5)
     mm = [r["of_roofline"] for r in rows if r["kind"] == "matmul"]
@@ -69,16 +68,10 @@ def _roofs(dev: str, z: dict) -> list[Item]:
 
 
 def _fusion(dev: str, z: dict) -> list[Item]:
-    import torch
-
-    from labkit.core.model import Block, GPTConfig
     from labkit.device import fusion
 
-    g = torch.Generator(device=dev).manual_seed(0)
-    h, t = z["hidden"], z["chain_tokens"]
-    chain = tuple(torch.randn(*shape, device=dev, dtype=z["dtype"], generator=g) for shape in ((t, h), (h,), (t, h)))
-    block = Block(GPTConfig(n_layer=1, n_head=z["heads"], n_embd=h, block_size=z["seq"])).to(dev, z["dtype"]).eval()
-    xb = torch.randn(1, z["seq"], h, device=dev, dtype=z["dtype"], generator=g)
+    chain = fusion.chain_inputs(z["chain_tokens"], z["hidden"], dev, z["dtype"])
+    block, xb = fusion.block_and_input(z["hidden"], z["heads"], 1, z["seq"], dev, z["dtype"])
     items = []
     for what, fn, args in (("chain", fusion.silu_residual_rmsnorm, chain), ("block", block, (xb,))):
         r = fusion.eager_and_compiled(fn, *args, repeats=5)
@@ -120,21 +113,11 @@ def _flash(dev: str, z: dict) -> list[Item]:
     import torch
     import torch.nn.functional as F
 
-    from labkit.device.flash_attention import attention_memory, flash_attention
+    from labkit.device.flash_attention import attention_memory, error_against_sdpa, flash_attention
 
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 512, 64, generator=g).to(dev).requires_grad_() for _ in range(3))
-    precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")  # fp32 matmuls, whatever an earlier item set (TF32)
-    try:
-        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        grad = torch.randn_like(ref)
-        out = flash_attention(q, k, v, True, 128)
-        err = max([(out - ref).abs().max().item()] + [
-            (a - b).abs().max().item() for a, b in zip(torch.autograd.grad(out, (q, k, v), grad),
-                                                      torch.autograd.grad(ref, (q, k, v), grad))])
-    finally:
-        torch.set_float32_matmul_precision(precision)
+    q, k, v = (torch.randn(2, 4, 512, 64, generator=g).to(dev) for _ in range(3))
+    err = error_against_sdpa(q, k, v, True, 128)  # fp32 matmuls, whatever an earlier item set (TF32)
     ours = attention_memory(lambda a, b, c: flash_attention(a, b, c, True, 128), q, k, v)["saved_bytes"]
     sdpa = attention_memory(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True),
                             q, k, v)["saved_bytes"]
