@@ -4,7 +4,7 @@ lists the labs and runs one; without labs/ every entry point says so instead of 
 On Kubernetes each person's server runs as their own uid, as on ``make hub``: the hub gives it
 (values.yaml's extraConfig, run here on a real KubeSpawner over a real hub database) and the image's
 first process, ``labkit-start``, becomes it. Its pods are played here by mount namespaces, each with
-a copy of this machine's passwd file of its own, sharing one exchange folder as the pods share a
+a copy of this machine's /etc of its own, sharing one exchange folder as the pods share a
 volume; no Kubernetes runs (none can here)."""
 from __future__ import annotations
 
@@ -179,6 +179,10 @@ def test_pods_become_their_person_and_the_exchange_keeps_them_apart(image, serve
     try:
         base.chmod(0o755)
         shutil.copytree(root / "etc", base / "etc")
+        # each pod's /etc is a copy of this machine's, bound over the folder: a bind over /etc/passwd
+        # itself is detached when the host replaces that file by rename, as useradd does (test_hub,
+        # on the other worker), and the pod's user would vanish mid-run
+        shutil.copytree("/etc", base / "host-etc", symlinks=True)
         exchange, labs = base / "exchange", base / "student-labs"
         exchange.mkdir()  # a new volume: root's, 755
         subprocess.run([sys.executable, "-m", "labkit.labs.student_labs", str(labs)], check=True, capture_output=True)
@@ -189,14 +193,14 @@ def test_pods_become_their_person_and_the_exchange_keeps_them_apart(image, serve
         def pod(name: str, *cmd: str, **env: str) -> subprocess.CompletedProcess:
             hub_env, _ = servers[name]
             config = [hub_env["JUPYTER_CONFIG_PATH"]] if "JUPYTER_CONFIG_PATH" in hub_env else []
-            shutil.copy("/etc/passwd", base / "passwd")  # a fresh one at each start, as a pod's (this machine's)
+            shutil.copy("/etc/passwd", base / "host-etc" / "passwd")  # a fresh one at each start, as a pod's
             pod_env = {"PATH": f"{BUILD / 'bin'}:/usr/bin:/bin", "PYTHONWARNINGS": "ignore", **library_path(python),
                        **{k: hub_env[k] for k in ("NB_USER", "NB_UID", "LABKIT_PEOPLE", "LABKIT_INSTRUCTOR")},
                        "NB_HOME": str(base / f"home-{name}"), "NBGRADER_EXCHANGE": str(exchange),
                        "LABKIT_STUDENT_LABS": str(labs),
                        "JUPYTER_CONFIG_PATH": ":".join(str(base / p.removeprefix("/")) for p in [*config, "/etc/jupyter"])}
             return subprocess.run(
-                ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/passwd && exec "$@"', str(base / "passwd"),
+                ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc && exec "$@"', str(base / "host-etc"),
                  str(root / "usr/local/bin/labkit-start"), "env", *(f"{k}={v}" for k, v in env.items()),
                  "sh", "-c", 'cd "$HOME" && exec "$@"', "sh", *cmd],
                 env=pod_env, capture_output=True, text=True, timeout=300)
