@@ -184,13 +184,12 @@ def test_torchrun_commands_parse_as_their_ranks_would(command, monkeypatch, tmp_
 
 def test_lab_ui_starts_as_root_and_takes_options(tmp_path):
     """``make lab-ui`` as README shows it, with LAB_UI_OPTS: Jupyter refuses root without --allow-root."""
-    import socket
     import time
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from labkit.core.ports import listen_port
+
+    port = listen_port()
     opts = f"--no-browser --port {port} --ServerApp.ip=127.0.0.1 --IdentityProvider.token=''"
     proc = subprocess.Popen(["make", "lab-ui", f"LAB_UI_OPTS={opts}"], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)

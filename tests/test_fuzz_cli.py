@@ -158,8 +158,9 @@ def test_every_hub_flag_takes_or_refuses_each_hostile_value(capsys, paths, monke
     monkeypatch.setattr(hub, "serve", lambda state, settings: None)  # a taken value starts no hub
     monkeypatch.setattr(hub, "add_users", lambda *a: None)  # nor makes a user
     ap_flags = ["--state", "--ip", "--port", "--gpus", "--cpus", "--memory"]
+    state = ["--state", "state"]  # in the test's folder, not the default /srv/labkit-hub on this machine
     for value in HOSTILE:
         v = paths.get(value, value)
         for flag in ap_flags:
-            _taken_or_one_line(capsys, hub.main, ["serve", flag, v])
-        _taken_or_one_line(capsys, hub.main, ["add", "--role", "student", "--", v])
+            _taken_or_one_line(capsys, hub.main, ["serve", *state, flag, v])
+        _taken_or_one_line(capsys, hub.main, ["add", *state, "--role", "student", "--", v])

@@ -15,6 +15,7 @@ committed).
 from __future__ import annotations
 
 import csv
+import json
 import os
 import pwd
 import re
@@ -29,9 +30,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from jupyterhub.utils import random_port
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
+from labkit.core.ports import listen_port
 from labkit.labs.hub_spawner import cgroup_paths
 from labkit.labs.student_labs import launch_url
 
@@ -91,7 +92,7 @@ def hub(tmp_path_factory):
             made += names
             subprocess.run([sys.executable, "-m", "labkit.labs.hub", "add", "--state", str(state), "--role", role,
                             "--password-stdin", *names], input=PASSWORD + "\n", text=True, check=True, cwd=ROOT)
-        port = random_port()
+        port = listen_port()  # not one an outgoing connection can take while the hub installs
         proc = _start(state, port, log)
         hub = dict(url=f"http://127.0.0.1:{port}", state=state, log=log, port=port, proc=proc)
         yield hub
@@ -371,6 +372,11 @@ def test_a_term_on_the_hub(hub, browser):
     _stop(hub["proc"])
     hub["proc"] = _start(state, hub["port"], hub["log"])
     assert {u: _server_pid(u) for u in (ALICE, BOB)} == pids
+    hub_api = f"http://127.0.0.1:{json.loads((state / 'hub.json').read_text())['hub_port']}/"
+    for pid in pids.values():  # the servers that ran on still reach the hub: it kept its API port
+        env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
+        assert env["JUPYTERHUB_API_URL"].startswith(hub_api), (env["JUPYTERHUB_API_URL"], hub_api)
+        urllib.request.urlopen(env["JUPYTERHUB_API_URL"] + "/", timeout=10)
     home_page = pages[ALICE].context.new_page()
     home_page.goto(f"{hub['url']}/hub/home")
     assert "/hub/login" not in home_page.url, home_page.url

@@ -182,7 +182,14 @@ def test_pods_become_their_person_and_the_exchange_keeps_them_apart(image, serve
         # each pod's /etc is a copy of this machine's, bound over the folder: a bind over /etc/passwd
         # itself is detached when the host replaces that file by rename, as useradd does (test_hub,
         # on the other worker), and the pod's user would vanish mid-run
-        shutil.copytree("/etc", base / "host-etc", symlinks=True)
+        for attempt in range(5):  # a lock or temporary file of theirs may vanish while it is copied
+            shutil.rmtree(base / "host-etc", ignore_errors=True)
+            try:
+                shutil.copytree("/etc", base / "host-etc", symlinks=True, ignore=shutil.ignore_patterns("*.lock", "*+"))
+                break
+            except shutil.Error:
+                if attempt == 4:
+                    raise
         exchange, labs = base / "exchange", base / "student-labs"
         exchange.mkdir()  # a new volume: root's, 755
         subprocess.run([sys.executable, "-m", "labkit.labs.student_labs", str(labs)], check=True, capture_output=True)

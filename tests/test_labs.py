@@ -223,15 +223,14 @@ def test_gpu_profile_is_a_real_cluster_run_not_the_cpu_one_renamed(monkeypatch):
 def test_labs_open_as_notebooks_in_jupyterlab(tmp_path):
     """JupyterLab (with jupytext) serves a MyST lab as a notebook with its parameters cell."""
     import os
-    import socket
     import subprocess
     import sys
     import time
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from labkit.core.ports import listen_port
+
+    port = listen_port()
     labs_dir = OUT_DIR.parent.parent / "labs"
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",

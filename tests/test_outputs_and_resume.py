@@ -2,6 +2,9 @@
 schedule is refused naming it; empty and unwritable output paths are refused before the first step."""
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import pytest
 
 from labkit.core.model import GPTConfig
@@ -96,7 +99,8 @@ def test_every_command_checks_its_output_path_first(module, argv, message, tmp_p
 
     (tmp_path / "file").write_text("keep me")
     argv = [a.replace("FILE", str(tmp_path / "file")).replace("TMP", str(tmp_path)) for a in argv]
-    _refused(importlib.import_module(module).main, argv, message, capsys)
+    with mock.patch.dict(os.environ):  # gpu_check sets PYTHONPATH for its children: not for this worker's
+        _refused(importlib.import_module(module).main, argv, message, capsys)
     assert (tmp_path / "file").read_text() == "keep me"
 
 

@@ -55,12 +55,13 @@ def slurm(tmp_path_factory):
         subprocess.run([ROOT / "cluster/slurm/local/stop.sh", state], capture_output=True, timeout=60)
 
 
-def _submit(env, workdir: Path, ckpt: Path, extra_env: dict | None = None, wait: bool = False) -> str:
+def _submit(env, workdir: Path, ckpt: Path, extra_env: dict | None = None, wait: bool = False,
+            args: tuple[str, ...] = ()) -> str:
     exports = dict(CKPT_DIR=str(ckpt), DEVICE="cpu", STEPS=str(STEPS), BATCH_SIZE=str(BATCH), SAVE_EVERY="20",
                    PYTHON=sys.executable, LABKIT_ROOT=str(ROOT), **(extra_env or {}))
     cmd = ["sbatch", "--parsable", "--nodes=2", "--export=ALL," + ",".join(f"{k}={v}" for k, v in exports.items())]
     cmd += ["--wait"] if wait else []
-    out = subprocess.run([*cmd, str(SBATCH), "--block-size", str(BLOCK), "--lr", str(LR)], env=env, cwd=workdir,
+    out = subprocess.run([*cmd, str(SBATCH), "--block-size", str(BLOCK), "--lr", str(LR), *args], env=env, cwd=workdir,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr + "\n" + _logs(workdir)
     return out.stdout.strip().split(";")[0]
@@ -94,7 +95,9 @@ def test_two_node_job_matches_single_process(uninterrupted):
 
 def test_early_signal_checkpoints_requeues_and_resumes_bit_exact(slurm, uninterrupted, tmp_path):
     ckpt = tmp_path / "ckpt"
-    job = _submit(slurm, tmp_path, ckpt)
+    # each batch waits 100 ms (the numbers are unchanged): the signal, through slurmctld, the batch
+    # script and torchrun, reaches the ranks seconds before step 40 however loaded the machine is
+    job = _submit(slurm, tmp_path, ckpt, args=("--input-delay-ms", "100"))
     steps_log = ckpt / "steps.jsonl"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:  # signal once training is under way, between checkpoints

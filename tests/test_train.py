@@ -123,11 +123,9 @@ def test_progress_bar_on_long_runs(capsys):
 
 def test_deepspeed_launcher_runs_the_same_entry_point(tmp_path):
     """`deepspeed --module labkit.train` (it passes --local_rank) trains ZeRO-2 like torchrun does."""
-    import socket
+    from labkit.core.ports import listen_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = listen_port()
     out = tmp_path / "zero2.json"
     launcher = Path(sys.executable).parent / "deepspeed"
     cmd = [str(launcher), "--num_accelerators", "2", "--master_port", str(port), "--module", "labkit.train",

@@ -142,11 +142,9 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(str(e))
         return 0
     if args.cmd == "port":
-        import socket
+        from labkit.core.ports import listen_port
 
-        with socket.socket() as s:  # the OS picks a free one; the caller binds it moments later
-            s.bind(("", 0))
-            print(s.getsockname()[1])
+        print(listen_port(""))  # free on every address now; the caller binds it moments later
         return 0
     if args.cmd == "list":
         try:

@@ -25,10 +25,12 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from labkit.core.checks import brief, output_dir
 from labkit.core.cli import ArgumentParser
+from labkit.core.ports import is_free, listen_port
 from labkit.labs.hub_install import PROXY, install, readable_by_all, server_paths, users_python
 from labkit.labs.runner import LABS_DIR, ROOT
 
@@ -111,16 +113,33 @@ def add_users(state: Path, role: str, names: list[str], password: str | None = N
         home_for(name, role, state, LABS_DIR)  # the labs (and an instructor's ~/course) from the first day
 
 
+def _hub_port(state: Path) -> int:
+    """The hub's API port: a free one, chosen once and kept in hub.json. A server that a restarted hub
+    finds running (``cleanup_servers=False``) calls the API address it was started with; on a new
+    port it would lose the hub once its token cache expires (5 minutes)."""
+    s = _settings(state)
+    kept = s.get("hub_port")
+    for _ in range(30):  # the hub being replaced may still hold it for a moment
+        if is_free(kept):
+            return kept
+        if not isinstance(kept, int):
+            break
+        time.sleep(0.5)
+    if kept is not None:
+        print(f"hub: the hub's API port {kept} is taken; servers still running must be restarted", file=sys.stderr)
+    port = listen_port()
+    (state / "hub.json").write_text(json.dumps({**s, "hub_port": port}, indent=1))
+    return port
+
+
 def configure(c, state: Path) -> None:
     """JupyterHub's configuration (``cluster/hub/jupyterhub_config.py`` calls this)."""
-    from jupyterhub.utils import random_port
-
     state = Path(state)
     s = _settings(state)
     c.JupyterHub.bind_url = f"http://{s['ip']}:{s['port']}"
     c.JupyterHub.hub_ip = "127.0.0.1"
-    # the hub's API and the proxy's on free ports: nothing else on the machine is disturbed or disturbs
-    c.JupyterHub.hub_port, proxy_api = random_port(), random_port()
+    c.JupyterHub.hub_port = _hub_port(state)
+    proxy_api = listen_port()  # only the hub calls it: a new one at each start is harmless
     c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{proxy_api}"
     c.JupyterHub.db_url = f"sqlite:///{state / 'jupyterhub.sqlite'}"
     c.JupyterHub.cookie_secret_file = str(state / "jupyterhub_cookie_secret")

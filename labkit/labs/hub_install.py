@@ -56,7 +56,11 @@ def _copy_interpreter(exe: Path) -> None:
     site = Path(sysconfig.get_paths(vars={"base": str(copy), "platbase": str(copy)})["purelib"])
     site.mkdir(parents=True, exist_ok=True)
     # addsitedir, not a path line: it also runs .venv's own .pth files (the editable labkit among them)
-    (site / "labkit-venv.pth").write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+    pth, line = site / "labkit-venv.pth", f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n"
+    if not pth.is_file() or pth.read_text() != line:  # by rename: a Python starting now reads all or none
+        tmp = pth.with_name(f"{pth.name}.{os.getpid()}")
+        tmp.write_text(line)
+        os.replace(tmp, pth)
 
 
 def library_path(python: Path) -> dict[str, str]:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from labkit.core.checks import one_of, positive_int
 from labkit.core.devices import DEVICE_TYPES, backend_for, rank_device
+from labkit.core.ports import listen_port
 from labkit.launch.local import RankError, eager_init, leave_group
 
 
@@ -50,9 +51,7 @@ def _rendezvous_port(folder: Path, job_id: str, rank: int, timeout: float = 300.
     ids differ by 20000, and the second job's ranks would join the first job's store.)"""
     path = folder / f"{job_id}_rendezvous_port"
     if rank == 0:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
+        port = listen_port("")
         tmp = path.with_suffix(".tmp")
         tmp.write_text(str(port))
         os.replace(tmp, path)  # whole or absent: a reader never sees half a number

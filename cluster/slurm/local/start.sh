@@ -33,8 +33,9 @@ for bin in munged slurmctld slurmd sinfo; do
   command -v "$bin" >/dev/null || { echo "start.sh: $bin not found; install Debian's slurm-wlm and munge" >&2; exit 2; }
 done
 mkdir "$STATE/ctld" "$STATE/spool" "$STATE/spool/n1" "$STATE/spool/n2"
-# Ports from the state directory's name, so two clusters on one machine do not collide.
-BASE=$(( 20000 + $(printf '%s' "$STATE" | cksum | cut -d' ' -f1) % 20000 ))
+# Ports from the state directory's name, so two clusters on one machine do not collide; below 32768,
+# where Linux's default ip_local_port_range starts, so no outgoing connection has been handed one.
+BASE=$(( 20000 + $(printf '%s' "$STATE" | cksum | cut -d' ' -f1) % 12000 ))
 # The cores this process may use. Not plain nproc: it reports OMP_NUM_THREADS when that is set
 # (a common setting on clusters), and nodes declared with fewer cores than a job asks for leave
 # the job pending for ever.

@@ -1,0 +1,55 @@
+"""A free TCP port for a server that binds it later: the hub, Jupyter, a rendezvous store.
+
+The usual idiom, bind port 0 and close, hands back a port from the range Linux gives outgoing
+connections (``net.ipv4.ip_local_port_range``, 32768-60999 by default; Linux ``ip-sysctl``
+docs). Any connection opened on the machine between the pick and the bind may be given the same
+port, and the server then fails with EADDRINUSE: on a busy machine, after a start-up of seconds
+(a hub installing itself), that happens. A port below that range is never handed out that way,
+so the pick holds until something binds it on purpose.
+"""
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+LISTEN_RANGE = (10000, 20000)  # below Linux's default outgoing range, and any sane one; 1024+ needs no root
+_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def outgoing_range() -> tuple[int, int]:
+    """The ports the OS hands outgoing connections (Linux's setting; its default elsewhere)."""
+    try:
+        lo, hi = map(int, _RANGE_FILE.read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could bind ``host:port`` now (with SO_REUSEADDR, as servers do: a closed
+    connection's TIME_WAIT does not hold a port, a listening socket does)."""
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        return False
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def listen_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now, outside the outgoing range, chosen at random (by the OS's
+    entropy, not the seeded ``random``: two seeded runs would pick the same). Falls back to the
+    OS's pick where the outgoing range leaves no room below it."""
+    lo, hi = LISTEN_RANGE
+    out_lo, out_hi = outgoing_range()
+    ports = [p for p in range(lo, hi) if not out_lo <= p <= out_hi]
+    for port in random.SystemRandom().sample(ports, min(len(ports), 200)):
+        if is_free(port, host):
+            return port
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
