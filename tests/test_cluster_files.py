@@ -123,7 +123,7 @@ STUBS = {
 # what the recipes read from the environment: never from the caller's
 SCRIPT_VARS = {"CKPT_DIR", "DEVICE", "NPROC_PER_NODE", "STRATEGY", "STEPS", "SEED", "BATCH_SIZE", "SAVE_EVERY",
                "GRACE_S", "METRICS", "PYTHON", "LABKIT_ROOT", "MAX_RESTARTS", "LAB", "PROFILE", "OUT_DIR",
-               "CUDA_VISIBLE_DEVICES"}
+               "CUDA_VISIBLE_DEVICES", "LABKIT_LISTEN_PORTS"}
 
 
 def _env(**env) -> dict:

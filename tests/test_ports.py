@@ -1,6 +1,8 @@
 """Ports for servers that bind later: outside the range outgoing connections are given, and free."""
 import socket
 
+import pytest
+
 from labkit.core import ports
 
 
@@ -21,3 +23,52 @@ def test_where_the_outgoing_range_takes_every_port_the_os_picks(monkeypatch):
     monkeypatch.setattr(ports, "outgoing_range", lambda: (1024, 65535))
     port = ports.listen_port()
     assert ports.is_free(port) and lo <= port <= hi
+
+
+def test_the_hub_keeps_its_api_port_and_replaces_one_it_cannot_use(tmp_path, monkeypatch, capsys):
+    import subprocess
+    import sys
+    import types
+
+    from labkit.labs import hub
+
+    monkeypatch.setattr(hub, "time", types.SimpleNamespace(sleep=lambda s: None))  # the wait for an old hub
+    first = hub._hub_port(tmp_path, taken=())
+    assert hub._hub_port(tmp_path, taken=()) == first == hub._settings(tmp_path)["hub_port"]
+    assert hub._hub_port(tmp_path, taken=(first,)) != first  # never the public port
+    for bad in (True, "8081", 70000, 80):
+        hub._save_settings(tmp_path, {"hub_port": bad})
+        assert ports.is_free(hub._hub_port(tmp_path, taken=()))
+        assert f"hub_port {bad!r} is not a port from 1024 to 65535" in capsys.readouterr().err
+    with socket.socket() as other:  # another program has it: a new one, and the servers must restart
+        other.bind(("127.0.0.1", hub._settings(tmp_path)["hub_port"]))
+        other.listen()
+        assert hub._hub_port(tmp_path, taken=()) != other.getsockname()[1]
+        assert "is taken; a new one is kept, and servers still running must be restarted" in capsys.readouterr().err
+        # the hub of this state still running on it: refused, and hub.json left as it was
+        hub._save_settings(tmp_path, {"hub_port": other.getsockname()[1]})
+        old = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "jupyterhub"])
+        try:
+            (tmp_path / "jupyterhub.pid").write_text(str(old.pid))
+            with pytest.raises(SystemExit, match=f"a hub is still running on .* \\(pid {old.pid}\\)"):
+                hub._hub_port(tmp_path, taken=())
+            assert hub._settings(tmp_path)["hub_port"] == other.getsockname()[1]
+        finally:
+            old.kill()
+            old.wait()
+
+
+def test_a_site_sets_the_range_and_a_bad_one_is_named(monkeypatch):
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("LABKIT_LISTEN_PORTS", "30000-30009")
+    assert {ports.listen_port() for _ in range(10)} <= set(range(30000, 30010))
+    for bad in ("30000", "9-20", "20000-10000", "1000-2000", "x-y", "30000-70000"):
+        monkeypatch.setenv("LABKIT_LISTEN_PORTS", bad)
+        with pytest.raises(ValueError, match="LABKIT_LISTEN_PORTS=.*lo-hi within 1024-65535"):
+            ports.listen_port()
+    # train.sbatch's call: one line, exit 2
+    proc = subprocess.run([sys.executable, "-m", "labkit", "port"], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.count("\n") <= 2 and "LABKIT_LISTEN_PORTS='30000-70000'" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr

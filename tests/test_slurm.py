@@ -95,9 +95,9 @@ def test_two_node_job_matches_single_process(uninterrupted):
 
 def test_early_signal_checkpoints_requeues_and_resumes_bit_exact(slurm, uninterrupted, tmp_path):
     ckpt = tmp_path / "ckpt"
-    # each batch waits 100 ms (the numbers are unchanged): the signal, through slurmctld, the batch
+    # each batch waits 200 ms (the numbers are unchanged): the signal, through slurmctld, the batch
     # script and torchrun, reaches the ranks seconds before step 40 however loaded the machine is
-    job = _submit(slurm, tmp_path, ckpt, args=("--input-delay-ms", "100"))
+    job = _submit(slurm, tmp_path, ckpt, args=("--input-delay-ms", "200"))
     steps_log = ckpt / "steps.jsonl"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:  # signal once training is under way, between checkpoints

@@ -9,12 +9,27 @@ so the pick holds until something binds it on purpose.
 """
 from __future__ import annotations
 
+import os
 import random
 import socket
 from pathlib import Path
 
 LISTEN_RANGE = (10000, 20000)  # below Linux's default outgoing range, and any sane one; 1024+ needs no root
+LISTEN_RANGE_VAR = "LABKIT_LISTEN_PORTS"  # lo-hi: a site whose firewall opens other ports between nodes
 _RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def listen_range() -> tuple[int, int]:
+    """The ports ``listen_port`` picks from, ``lo`` to ``hi - 1``: LISTEN_RANGE, or the
+    environment's ``LABKIT_LISTEN_PORTS=lo-hi`` (inclusive)."""
+    value = os.environ.get(LISTEN_RANGE_VAR, "").strip()
+    if not value:
+        return LISTEN_RANGE
+    lo, _, hi = value.partition("-")
+    if not (lo.isdigit() and hi.isdigit() and 1024 <= int(lo) <= int(hi) <= 65535):
+        raise ValueError(f"{LISTEN_RANGE_VAR}={value!r}: give a range of ports lo-hi within 1024-65535, "
+                         "e.g. 10000-20000")
+    return int(lo), int(hi) + 1
 
 
 def outgoing_range() -> tuple[int, int]:
@@ -41,10 +56,10 @@ def is_free(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def listen_port(host: str = "127.0.0.1") -> int:
-    """A port free on ``host`` now, outside the outgoing range, chosen at random (by the OS's
-    entropy, not the seeded ``random``: two seeded runs would pick the same). Falls back to the
-    OS's pick where the outgoing range leaves no room below it."""
-    lo, hi = LISTEN_RANGE
+    """A port free on ``host`` now, in ``listen_range()`` and outside the outgoing range, chosen at
+    random (by the OS's entropy, not the seeded ``random``: two seeded runs would pick the same).
+    Falls back to the OS's pick where the two ranges leave no room."""
+    lo, hi = listen_range()
     out_lo, out_hi = outgoing_range()
     ports = [p for p in range(lo, hi) if not out_lo <= p <= out_hi]
     for port in random.SystemRandom().sample(ports, min(len(ports), 200)):

@@ -144,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "port":
         from labkit.core.ports import listen_port
 
-        print(listen_port(""))  # free on every address now; the caller binds it moments later
+        try:
+            print(listen_port(""))  # free on every address now; the caller binds it moments later
+        except ValueError as e:
+            ap.error(str(e))
         return 0
     if args.cmd == "list":
         try:

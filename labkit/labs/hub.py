@@ -58,12 +58,18 @@ def _settings(state: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def _save_settings(state: Path, settings: dict) -> None:
+    tmp = state / f"hub.json.{os.getpid()}"  # by rename: a crash mid-write leaves the last whole file
+    tmp.write_text(json.dumps(settings, indent=1))
+    os.replace(tmp, state / "hub.json")
+
+
 def prepare_state(state: Path, group: str = GROUP, course_id: str = COURSE_ID) -> dict:
     """The state folder, its exchange, course directory and each role's Jupyter settings."""
     state.mkdir(parents=True, exist_ok=True)
     state.chmod(0o755)
     settings = {"course": course_id, "group": group, **_settings(state)}
-    (state / "hub.json").write_text(json.dumps(settings, indent=1))
+    _save_settings(state, settings)
     subprocess.run(["groupadd", "-f", settings["group"]], check=True, capture_output=True)
     gid = grp.getgrnam(settings["group"]).gr_gid
     exchange, course = state / "exchange", state / "course"
@@ -113,22 +119,37 @@ def add_users(state: Path, role: str, names: list[str], password: str | None = N
         home_for(name, role, state, LABS_DIR)  # the labs (and an instructor's ~/course) from the first day
 
 
-def _hub_port(state: Path) -> int:
+def _running_hub(state: Path) -> int | None:
+    """The pid of a JupyterHub still running on ``state`` (its pid file names a live one), if any."""
+    try:
+        pid = int((state / "jupyterhub.pid").read_text())
+        alive = b"jupyterhub" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return None
+    return pid if alive and pid != os.getpid() else None
+
+
+def _hub_port(state: Path, taken: tuple[int, ...]) -> int:
     """The hub's API port: a free one, chosen once and kept in hub.json. A server that a restarted hub
     finds running (``cleanup_servers=False``) calls the API address it was started with; on a new
     port it would lose the hub once its token cache expires (5 minutes)."""
     s = _settings(state)
     kept = s.get("hub_port")
-    for _ in range(30):  # the hub being replaced may still hold it for a moment
-        if is_free(kept):
+    valid = isinstance(kept, int) and not isinstance(kept, bool) and 1024 <= kept < 65536
+    for _ in range(30 if valid else 0):  # the hub being replaced may still hold it for a moment
+        if is_free(kept) and kept not in taken:
             return kept
-        if not isinstance(kept, int):
-            break
         time.sleep(0.5)
+    if valid and (pid := _running_hub(state)):
+        sys.exit(f"hub: a hub is still running on {state} (pid {pid}); stop it before starting another")
     if kept is not None:
-        print(f"hub: the hub's API port {kept} is taken; servers still running must be restarted", file=sys.stderr)
+        why = "taken" if valid else "not a port from 1024 to 65535"
+        print(f"hub: hub.json's hub_port {kept!r} is {why}; a new one is kept, and servers still running must be "
+              "restarted", file=sys.stderr)
     port = listen_port()
-    (state / "hub.json").write_text(json.dumps({**s, "hub_port": port}, indent=1))
+    while port in taken:
+        port = listen_port()
+    _save_settings(state, {**s, "hub_port": port})
     return port
 
 
@@ -138,8 +159,10 @@ def configure(c, state: Path) -> None:
     s = _settings(state)
     c.JupyterHub.bind_url = f"http://{s['ip']}:{s['port']}"
     c.JupyterHub.hub_ip = "127.0.0.1"
-    c.JupyterHub.hub_port = _hub_port(state)
+    c.JupyterHub.hub_port = _hub_port(state, taken=(s["port"],))
     proxy_api = listen_port()  # only the hub calls it: a new one at each start is harmless
+    while proxy_api in (s["port"], c.JupyterHub.hub_port):
+        proxy_api = listen_port()
     c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{proxy_api}"
     c.JupyterHub.db_url = f"sqlite:///{state / 'jupyterhub.sqlite'}"
     c.JupyterHub.cookie_secret_file = str(state / "jupyterhub_cookie_secret")
@@ -236,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
 def serve(state: Path, settings: dict) -> None:
     """Start JupyterHub (this process becomes it) on ``state`` with the checked ``settings``."""
     prepare_state(state)
-    (state / "hub.json").write_text(json.dumps({**_settings(state), **settings}, indent=1))
+    _save_settings(state, {**_settings(state), **settings})
     install()
     env = {**os.environ, "LABKIT_HUB_STATE": str(state.resolve())}
     print(f"hub: http://{settings['ip']}:{settings['port']}/ state: {state} GPUs: {settings['gpus'] or 'none (CPU)'}",
