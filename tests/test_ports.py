@@ -47,8 +47,10 @@ def test_the_hub_keeps_its_api_port_and_replaces_one_it_cannot_use(tmp_path, mon
         assert "is taken; a new one is kept, and servers still running must be restarted" in capsys.readouterr().err
         # the hub of this state still running on it: refused, and hub.json left as it was
         hub._save_settings(tmp_path, {"hub_port": other.getsockname()[1]})
-        old = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "jupyterhub"])
+        old = subprocess.Popen([sys.executable, "-c", "import time; print(flush=True); time.sleep(60)", "jupyterhub"],
+                               stdout=subprocess.PIPE)
         try:
+            old.stdout.readline()  # running: Popen returns once exec began, before /proc shows its arguments
             (tmp_path / "jupyterhub.pid").write_text(str(old.pid))
             with pytest.raises(SystemExit, match=f"a hub is still running on .* \\(pid {old.pid}\\)"):
                 hub._hub_port(tmp_path, taken=())
