@@ -6,7 +6,7 @@ import pytest
 from labkit.core import ports
 
 
-def test_a_listen_port_is_free_and_no_outgoing_connection_can_be_given_it():
+def test_a_listen_port_is_free_and_no_outgoing_connection_can_be_given_it(monkeypatch):
     lo, hi = ports.outgoing_range()
     picked = {ports.listen_port() for _ in range(20)}
     assert all(ports.is_free(p) and not lo <= p <= hi for p in picked)
@@ -16,6 +16,8 @@ def test_a_listen_port_is_free_and_no_outgoing_connection_can_be_given_it():
         server.listen()
         assert not ports.is_free(server.getsockname()[1])
     assert not any(map(ports.is_free, (None, 0, True, 70000, "8080")))
+    monkeypatch.setenv("LABKIT_LISTEN_PORTS", "30000-30002")  # three to pick from, two already picked
+    assert {ports.listen_port(avoid=(30000, 30002)) for _ in range(5)} == {30001}
 
 
 def test_where_the_outgoing_range_takes_every_port_the_os_picks(monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+from collections.abc import Iterable
 from pathlib import Path
 
 LISTEN_RANGE = (10000, 20000)  # below Linux's default outgoing range, and any sane one; 1024+ needs no root
@@ -55,16 +56,20 @@ def is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def listen_port(host: str = "127.0.0.1") -> int:
+def listen_port(host: str = "127.0.0.1", avoid: Iterable[int] = ()) -> int:
     """A port free on ``host`` now, in ``listen_range()`` and outside the outgoing range, chosen at
     random (by the OS's entropy, not the seeded ``random``: two seeded runs would pick the same).
-    Falls back to the OS's pick where the two ranges leave no room."""
+    ``avoid``: ports picked but not bound yet. Falls back to the OS's pick where the two ranges
+    leave no room."""
     lo, hi = listen_range()
     out_lo, out_hi = outgoing_range()
-    ports = [p for p in range(lo, hi) if not out_lo <= p <= out_hi]
+    avoid = set(avoid)
+    ports = [p for p in range(lo, hi) if not out_lo <= p <= out_hi and p not in avoid]
     for port in random.SystemRandom().sample(ports, min(len(ports), 200)):
         if is_free(port, host):
             return port
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            if (port := sock.getsockname()[1]) not in avoid:
+                return port

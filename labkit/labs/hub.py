@@ -30,6 +30,7 @@ from pathlib import Path
 
 from labkit.core.checks import brief, output_dir
 from labkit.core.cli import ArgumentParser
+from labkit.core.files import write_whole
 from labkit.core.ports import is_free, listen_port
 from labkit.labs.hub_install import PROXY, install, readable_by_all, server_paths, users_python
 from labkit.labs.runner import LABS_DIR, ROOT
@@ -59,9 +60,7 @@ def _settings(state: Path) -> dict:
 
 
 def _save_settings(state: Path, settings: dict) -> None:
-    tmp = state / f"hub.json.{os.getpid()}"  # by rename: a crash mid-write leaves the last whole file
-    tmp.write_text(json.dumps(settings, indent=1))
-    os.replace(tmp, state / "hub.json")
+    write_whole(state / "hub.json", json.dumps(settings, indent=1))
 
 
 def prepare_state(state: Path, group: str = GROUP, course_id: str = COURSE_ID) -> dict:
@@ -146,9 +145,7 @@ def _hub_port(state: Path, taken: tuple[int, ...]) -> int:
         why = "taken" if valid else "not a port from 1024 to 65535"
         print(f"hub: hub.json's hub_port {kept!r} is {why}; a new one is kept, and servers still running must be "
               "restarted", file=sys.stderr)
-    port = listen_port()
-    while port in taken:
-        port = listen_port()
+    port = listen_port(avoid=taken)
     _save_settings(state, {**s, "hub_port": port})
     return port
 
@@ -160,9 +157,8 @@ def configure(c, state: Path) -> None:
     c.JupyterHub.bind_url = f"http://{s['ip']}:{s['port']}"
     c.JupyterHub.hub_ip = "127.0.0.1"
     c.JupyterHub.hub_port = _hub_port(state, taken=(s["port"],))
-    proxy_api = listen_port()  # only the hub calls it: a new one at each start is harmless
-    while proxy_api in (s["port"], c.JupyterHub.hub_port):
-        proxy_api = listen_port()
+    # only the hub calls the proxy's API: a new port at each start is harmless
+    proxy_api = listen_port(avoid=(s["port"], c.JupyterHub.hub_port))
     c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{proxy_api}"
     c.JupyterHub.db_url = f"sqlite:///{state / 'jupyterhub.sqlite'}"
     c.JupyterHub.cookie_secret_file = str(state / "jupyterhub_cookie_secret")

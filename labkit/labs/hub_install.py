@@ -17,6 +17,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from labkit.core.files import write_whole
 from labkit.labs.runner import ROOT
 
 BUILD = ROOT / "_build" / "hub"
@@ -56,11 +57,8 @@ def _copy_interpreter(exe: Path) -> None:
     site = Path(sysconfig.get_paths(vars={"base": str(copy), "platbase": str(copy)})["purelib"])
     site.mkdir(parents=True, exist_ok=True)
     # addsitedir, not a path line: it also runs .venv's own .pth files (the editable labkit among them)
-    pth, line = site / "labkit-venv.pth", f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n"
-    if not pth.is_file() or pth.read_text() != line:  # by rename: a Python starting now reads all or none
-        tmp = pth.with_name(f"{pth.name}.{os.getpid()}")
-        tmp.write_text(line)
-        os.replace(tmp, pth)
+    # whole: a Python starting meanwhile (the other worker's, a server's) reads all of it or none
+    write_whole(site / "labkit-venv.pth", f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
 
 
 def library_path(python: Path) -> dict[str, str]:
@@ -83,10 +81,7 @@ def users_tools() -> Path:
     for name, module in (("python", None), ("python3", None), ("jupyter", "jupyter"), ("nbgrader", "nbgrader"),
                          ("alembic", "alembic"), ("papermill", "papermill")):
         run = f'{env}exec {python} "$@"' if module is None else f'{env}exec {python} -m {module} "$@"'
-        tmp = tools / f".{name}.{os.getpid()}"
-        tmp.write_text(f"#!/bin/sh\n{run}\n")
-        tmp.chmod(0o755)
-        tmp.replace(tools / name)  # whole, for a server that runs it meanwhile
+        write_whole(tools / name, f"#!/bin/sh\n{run}\n", mode=0o755)  # whole, for a server that runs it meanwhile
     return python
 
 

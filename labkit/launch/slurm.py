@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from labkit.core.checks import one_of, positive_int
 from labkit.core.devices import DEVICE_TYPES, backend_for, rank_device
+from labkit.core.files import write_whole
 from labkit.core.ports import listen_port
 from labkit.launch.local import RankError, eager_init, leave_group
 
@@ -52,9 +53,7 @@ def _rendezvous_port(folder: Path, job_id: str, rank: int, timeout: float = 300.
     path = folder / f"{job_id}_rendezvous_port"
     if rank == 0:
         port = listen_port("")
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(str(port))
-        os.replace(tmp, path)  # whole or absent: a reader never sees half a number
+        write_whole(path, str(port))  # whole or absent: a reader never sees half a number
         return port
     deadline = time.monotonic() + timeout
     while not path.exists():
