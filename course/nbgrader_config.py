@@ -11,6 +11,7 @@ try:
     from labkit.labs.collect import OwnedCollect
     from labkit.labs.feedback import FeedbackWithoutHiddenTests
     from labkit.labs.student_labs import CODE_STUB, TEXT_STUB
+    from labkit.labs.submit import WholeSubmit
 except ImportError as e:  # traitlets would log it and go on without this file: feedback with hidden tests
     raise SystemExit(f"course/nbgrader_config.py needs labkit (pip install -e the course): {e}") from None
 
@@ -27,6 +28,9 @@ c.Exchange.timezone = "UTC"
 # (`nbgrader submit --student=NAME`); this collect leaves out a folder its owner filed under another
 # name (labkit/labs/collect.py).
 c.ExchangeFactory.collect = OwnedCollect
+# Whole notebooks only: a Submit pressed during a save would file one cut short, which autograde
+# cannot read; this submit waits for the save, and refuses what does not read whole (labkit/labs/submit.py).
+c.ExchangeFactory.submit = WholeSubmit
 
 # Autograding runs each submission in a fresh kernel; a cell that runs longer than this is
 # interrupted and graded as failed, so an infinite loop costs one timeout, not the grading run.

@@ -347,9 +347,10 @@ def test_a_term_on_the_hub(hub, browser):
     assert (home[TEACH] / "course").resolve() == course.resolve()
     # the course's folder in the exchange, the instructor's from the day they were added
     assert (state / "exchange" / "training-at-scale").stat().st_uid == pwd.getpwnam(TEACH).pw_uid
-    from test_hub_image import collects_each_students_own
+    from test_hub_image import uses_the_courses_exchange
 
-    assert collects_each_students_own(state / "jupyter" / "instructor")  # the formgrader's collect too
+    # the formgrader's collect, and the students' submit
+    assert uses_the_courses_exchange(state / "jupyter" / "instructor", state / "jupyter" / "student")
     _as(hub, TEACH, "python", "-m", "labkit.labs.assignments", LAB, "--course", f"{home[TEACH]}/course")
     _as(hub, TEACH, "nbgrader", "release_assignment", LAB, cwd=home[TEACH] / "course")
     right, wrong = _answers(hub)

@@ -261,24 +261,26 @@ def test_pods_become_their_person_and_the_exchange_keeps_them_apart(image, serve
         shutil.rmtree(base, ignore_errors=True)
 
 
-def collects_each_students_own(*folders: Path) -> bool:
-    """Whether nbgrader, given each folder's nbgrader_config.py, collects with the course's collect
-    (asked in a fresh interpreter: nbgrader imports setuptools, which fails in a process that has
-    imported the standard library's distutils first)."""
+def uses_the_courses_exchange(*folders: Path) -> bool:
+    """Whether nbgrader, given each folder's nbgrader_config.py, collects and submits with the
+    course's collect and submit (asked in a fresh interpreter: nbgrader imports setuptools, which fails
+    in a process that has imported the standard library's distutils first)."""
     code = """if 1:
         import sys
         from nbgrader.exchange import ExchangeFactory
         from traitlets.config.loader import PyFileConfigLoader
         from labkit.labs.collect import OwnedCollect
-        print([ExchangeFactory(config=PyFileConfigLoader("nbgrader_config.py", f).load_config()).collect is OwnedCollect
-               for f in sys.argv[1:]])
+        from labkit.labs.submit import WholeSubmit
+        factories = [ExchangeFactory(config=PyFileConfigLoader("nbgrader_config.py", f).load_config())
+                     for f in sys.argv[1:]]
+        print([x.collect is OwnedCollect and x.submit is WholeSubmit for x in factories])
     """
     proc = subprocess.run([sys.executable, "-c", code, *map(str, folders)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout.strip() == str([True] * len(folders))
 
 
-def test_the_course_and_the_image_collect_each_students_own():
+def test_the_course_and_the_image_collect_each_students_own_and_submit_whole_notebooks():
     # the course directory's settings (nbgrader collect there) and every server's (the formgrader's
-    # Collect button, from the home folder); make hub's are held in test_hub
-    assert collects_each_students_own(ROOT / "course", ROOT / "cluster" / "jupyterhub")
+    # Collect button, the Assignments panel's Submit, from the home folder); make hub's are held in test_hub
+    assert uses_the_courses_exchange(ROOT / "course", ROOT / "cluster" / "jupyterhub")

@@ -9,3 +9,5 @@ c.CourseDirectory.course_id = os.environ.get("NBGRADER_COURSE_ID", "training-at-
 c.Exchange.root = os.environ.get("NBGRADER_EXCHANGE", "/srv/nbgrader/exchange")
 # each student's own submission, also when the formgrader collects (labkit/labs/collect.py)
 c.ExchangeFactory.collect = "labkit.labs.collect.OwnedCollect"
+# whole notebooks only, also when Submit is pressed during a save (labkit/labs/submit.py)
+c.ExchangeFactory.submit = "labkit.labs.submit.WholeSubmit"

@@ -86,7 +86,8 @@ def prepare_state(state: Path, group: str = GROUP, course_id: str = COURSE_ID) -
         folder = state / "jupyter" / role
         folder.mkdir(parents=True, exist_ok=True)
         lines = [f"c.CourseDirectory.course_id = {settings['course']!r}", f"c.Exchange.root = {str(exchange)!r}",
-                 'c.ExchangeFactory.collect = "labkit.labs.collect.OwnedCollect"']  # the formgrader's collect too
+                 'c.ExchangeFactory.collect = "labkit.labs.collect.OwnedCollect"',  # the formgrader's collect too
+                 'c.ExchangeFactory.submit = "labkit.labs.submit.WholeSubmit"']  # the Assignments panel's submit
         if role == "instructor":
             lines.append(f"c.CourseDirectory.root = {str(course)!r}")
         (folder / "nbgrader_config.py").write_text("c = get_config()  # noqa: F821\n" + "\n".join(lines) + "\n")
