@@ -42,9 +42,9 @@ class WholeSubmit(ExchangeSubmit):
         """The notebooks under ``folder`` that do not read as notebooks, once the saves under way
         have ended (``wait``: up to ``save_wait_s``)."""
         notebooks = [os.path.join(folder, nb) for nb in _graded(folder)]
-        deadline = time.monotonic() + self.save_wait_s
         if wait and any(map(_saving, notebooks)):
             self.log.info("Waiting for a save under way in %s to end", folder)
+            deadline = time.monotonic() + self.save_wait_s
             while any(map(_saving, notebooks)) and time.monotonic() < deadline:
                 time.sleep(0.1)
         bad = []
