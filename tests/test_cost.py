@@ -4,7 +4,11 @@ import pytest
 
 from labkit.planning import cost
 from labkit.planning.accelerators import accelerator
-from labkit.planning.choose import choose_strategy, min_devices, rule_of_thumb
+from labkit.memory.calculator import model_shape
+from labkit.planning.choose import choose_strategy, min_devices, price_strategies, rule_of_thumb
+from labkit.planning.hardware import hardware
+from labkit.planning.search import search
+from labkit.planning.step_model import Plan, predict
 
 
 def test_six_n_d_and_recompute():
@@ -55,22 +59,23 @@ def test_the_18000_dollar_run():
 
 def test_rule_of_thumb_and_where_it_is_wrong():
     assert rule_of_thumb(1e9, 80) == "DDP" and rule_of_thumb(13e9, 80) == "FSDP" and rule_of_thumb(175e9, 80) == "ZeRO-3"
-    # activations, not parameters: a 1.3B model at 16k tokens x 8 does not fit under DDP
-    long = choose_strategy("gpt3-1.3b", 8, 80, micro_batch=8, seq_len=16384)
+    # activations, not parameters: a 1.3B model at 16k tokens x 8 does not fit under DDP; the planner
+    # takes the same eight sequences a device in micro-batches of one
+    long = choose_strategy("gpt3-1.3b", 8, 80, micro_batch=8, seq_len=16384, device="a100-80gb")
     assert long.rule_of_thumb == "DDP" and not long.rule_fits
-    # "reduce the batch size": the same tokens per step in 8 micro-batches of 1 (accumulated) fit DDP
-    assert long.strategy == "DDP + gradient accumulation (8 micro-batches of 1)"
-    # over-sharding: 7B on 64 A100s fits with ZeRO-1, as fast as ZeRO-3 by the estimate, fewer bytes
+    assert long.chosen.plan.micro_batch == 1 and long.chosen.plan.microbatches == 8
+    # over-sharding: 7B on 64 A100s fits with ZeRO-1, which gathers nothing layer by layer
     seven = choose_strategy("llama2-7b", 64, 80, device="a100-80gb")
-    assert seven.strategy == "ZeRO-1" and seven.rule_fits and abs(seven.rule_slowdown()) < 0.05
-    # the same model's bigger sibling on 64 H100s: gradients over InfiniBand dominate, TP in a node wins
+    assert seven.chosen.plan.zero == 1 and seven.rule_fits and 0 <= seven.rule_slowdown() < 0.05
+    # on 64 H100s the rule's FSDP gathers every layer across the network: slower than ZeRO-1
     thirteen = choose_strategy("llama2-13b", 64, 80, seq_len=2048, device="h100-80gb")
-    assert thirteen.strategy.startswith("TP=") and thirteen.rule_slowdown() > 0.5
+    assert thirteen.chosen.plan.zero == 1 and thirteen.rule_slowdown() > 0.05
     # 70B on 8 x 80 GB: only with recomputation and optimizer offload
-    r = choose_strategy("llama2-70b", 8, 80)
-    assert "offload" in r.strategy and "host memory" in r.reason
-    small = choose_strategy("gpt2-124m", 8, 80, micro_batch=8, seq_len=1024)
-    assert small.strategy == "DDP" and small.rule_fits
+    r = choose_strategy("llama2-70b", 8, 80, device="a100-80gb")
+    assert r.chosen.plan.offload and r.chosen.plan.recompute != "none" and "host memory" in r.reason
+    # the chooser is the planner: the same ranking for the same inputs
+    plans = search(model_shape("llama2-7b"), hardware("a100-80gb"), 64, 64 * 4096, 80)
+    assert [x.label for x in seven.ranked] == [x.label for x in plans]
 
 
 def test_nothing_fits_is_said_with_numbers():
@@ -108,27 +113,16 @@ def test_mfu_charges_the_model_and_hfu_the_hardware():
     assert full.flops == 8 * 7e9 * 1e12 and full.hfu == pytest.approx(0.4 * 8 / 6) and plain.hfu == 0.4
     at_hfu = cost.price_run(7e9, 1e12, 64, "h100-80gb", hfu=0.4, recompute="full")
     assert at_hfu.hours == pytest.approx(plain.hours * 8 / 6) and at_hfu.mfu == pytest.approx(0.3)
-    with pytest.raises(ValueError, match="give mfu=0.4 or hfu=0.5, not both"):
+    given = cost.price_run(7e9, 1e12, 64, "h100-80gb", hours=plain.hours)  # the planners give the hours
+    assert given.mfu == pytest.approx(0.4) and given.cost_on_demand == pytest.approx(plain.cost_on_demand)
+    with pytest.raises(ValueError, match="give one of hours=None, mfu=0.4, hfu=0.5"):
         cost.price_run(7e9, 1e12, 64, "h100-80gb", mfu=0.4, hfu=0.5)
 
 
-def test_the_step_time_estimate_behind_the_chooser():
-    from labkit.memory.calculator import model_shape
-    from labkit.planning.accelerators import interconnect
-    from labkit.planning.step_time import step_seconds
-
-    shape = model_shape("llama2-7b")
-    one = step_seconds(shape, 1, 1, 1, 4096, 0, "none", False, 1, 1, "h100-80gb")
-    assert one["total"] == one["compute"] == pytest.approx(6 * shape.n_params * 4096 / (989e12 * 0.4))
-    full = step_seconds(shape, 1, 1, 1, 4096, 0, "full", False, 1, 1, "h100-80gb")
-    assert full["compute"] == pytest.approx(one["compute"] * 8 / 6)
-    ddp, z3 = (step_seconds(shape, 64, 1, 1, 4096, s, "none", False, 1, 1, "h100-80gb") for s in (0, 3))
-    # 2 Psi (16-bit gradients) x 63/64 per rank over InfiniBand; ZeRO-3 moves half as much again
-    assert ddp["data_parallel"] == pytest.approx(2 * 2 * shape.n_params * 63 / 64 / (interconnect("ib-ndr").gb_per_s * 1e9))
-    assert z3["data_parallel"] == pytest.approx(1.5 * ddp["data_parallel"])
-    # backward (two thirds of the compute) hides what it can of the gradient traffic
-    assert ddp["total"] == pytest.approx(ddp["compute"] + max(0, ddp["data_parallel"] - 2 / 3 * ddp["compute"]))
-    in_node = step_seconds(shape, 8, 1, 1, 4096, 0, "none", False, 1, 1, "h100-80gb")
-    assert in_node["total"] == in_node["compute"]  # over NVLink it hides completely
-    pp = step_seconds(shape, 64, 32, 1, 4096, 1, "none", False, 8, 4, "h100-80gb")
-    assert pp["bubble"] == pytest.approx(3 / 35) and pp["tensor_parallel"] > 0
+def test_the_price_of_a_strategy_is_steps_times_its_predicted_step():
+    rows = {(r["device"], r["strategy"]): r for r in price_strategies("10b", 1e12, ["h100-80gb"], 2048, 30)}
+    z1 = rows["h100-80gb", "ZeRO-1"]
+    step = predict(model_shape("10b"), Plan(dp=z1["devices"], global_batch=2048, zero=1), hardware("h100-80gb"))
+    steps = math.ceil(1e12 / (2048 * 2048))
+    assert z1["days"] == round(steps * step["total"] / 86400, 1) and z1["MFU"] == round(step["mfu"], 3)
+    assert rows["h100-80gb", "DDP"]["min devices (memory)"] == "never fits"

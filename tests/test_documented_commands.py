@@ -134,7 +134,7 @@ def test_the_papermill_path_runs_as_documented():
     for command in steps:
         proc = _shell(command)
         assert proc.returncode == 0, f"{command}:\n{proc.stderr[-2000:]}"
-    assert json.loads(metrics.read_text())["params"]["mfu"] == 0.5  # the override reached the lab
+    assert json.loads(metrics.read_text())["params"]["target_days"] == 60  # the override reached the lab
 
 
 @functools.lru_cache(maxsize=None)

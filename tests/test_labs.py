@@ -87,14 +87,13 @@ def test_memory_lab_metrics(lab_metrics):
 def test_strategy_cost_lab_metrics(lab_metrics):
     m = lab_metrics["strategy_cost"]
     verdicts = {(r["model"], r["devices"]): r["verdict"] for r in m["rule_table"]}
-    assert verdicts[("gpt2-124m", "8 x a100-80gb")] == "agree"
-    # activations, not parameters: DDP is right for a 1.3B model at 16k tokens, in micro-batches of one
-    assert verdicts[("gpt3-1.3b", "8 x a100-80gb")].startswith("right sharding, but runs out of memory")
-    assert verdicts[("llama2-70b", "8 x a100-80gb")].startswith("right sharding")
-    assert verdicts[("llama2-7b", "64 x a100-80gb")].startswith("rule over-shards")
-    # on H100s a 13B model on 64 GPUs is bound by its gradients over InfiniBand: TP inside a node wins
+    # activations, not parameters: DDP's sharding is right for a 1.3B model at 16k tokens, in micro-batches of one
+    assert verdicts[("gpt3-1.3b", "8 x a100-80gb")].startswith("right sharding; fits only with")
+    assert verdicts[("llama2-70b", "8 x a100-80gb")].startswith("right sharding; fits only with")
+    # on H100s a 13B model on 64 GPUs: the rule's FSDP gathers every layer across nodes, ZeRO-1 does not
     assert verdicts[("llama2-13b", "64 x h100-80gb")].startswith("rule fits") and "slower a step" in \
         verdicts[("llama2-13b", "64 x h100-80gb")]
+    assert m["recorded"]["sc_rule_wrong"] == sum(v != "agree" for v in verdicts.values())
     prices = {(r["device"], r["strategy"]): r for r in m["price_table"]}
     assert prices[("a100-80gb", "DDP")]["min devices (memory)"] == "never fits"
     z3 = prices[("h100-80gb", "ZeRO-3: FSDP FULL_SHARD or DeepSpeed ZeRO-3")]
@@ -109,8 +108,25 @@ def test_strategy_cost_lab_metrics(lab_metrics):
     # the article's $17,250 at hour 14 is $1,232 an hour: $18,000 buys 14.6 hours, not 24
     assert m["article"]["burn"] == pytest.approx(1232.14, abs=0.01) and m["article"]["hours"] == pytest.approx(14.61, abs=0.01)
     # the step-time model against published runs, as tests/test_step_model.py bounds it
-    assert len(m["published"]["rows"]) >= 15 and m["published"]["median_abs_error"] <= 0.10
-    assert m["plan_405b"]["n"] > 0 and m["plan_405b"]["llama_rank"] >= 1
+    assert len(m["published"]["rows"]) >= 25 and m["published"]["median_abs_error"] <= 0.10
+    rec = m["recorded"]
+    # the chapter's sentences: NVIDIA's runs within a few percent, Meta's and torchtitan's over by more
+    assert rec["sc_pub_nvidia_hi"] < rec["sc_pub_titan_lo"] and rec["sc_pub_nvidia_hi"] < rec["sc_pub_meta_lo"]
+    assert abs(rec["sc_pub_l3_drop_pred_pct"] - rec["sc_pub_l3_drop_meas_pct"]) < 2 < rec["sc_pub_l3_v2_drop_pct"] - 5
+    assert abs(rec["sc_pub_worst_pct"]) <= 25 and rec["sc_pub_l3_128k_causal_pct"] < 0
+    assert rec["sc_pub_worst_run"] == "Llama 3 405B, 16,384 GPUs, 128k"  # the chapter's bullet is about it
+    # the 405B plans: at least three quarters of what Meta measured; within 1% of each other at 16k
+    for gpus, measured in (("16384", 400), ("8192", 430)):
+        assert m["plan_405b"][gpus]["best_tflops"] >= 0.75 * measured
+    assert rec["sc_plan16384_top4_spread_pct"] < 1 and rec["sc_plan16384_llama_rank"] > 4
+    # Llama 3's layout: over 80 GB without recomputation, under it with the element-wise kind
+    assert m["llama3_memory"]["none"]["fullest_gb"] > 80 > m["llama3_memory"]["selective"]["fullest_gb"]
+    assert rec["sc_l3mem_warmup"] > rec["sc_l3mem_chunk_forwards"]
+    # the bounds' sentences
+    b = m["bounds"]
+    assert b["TP, GPT block"]["inside"] < rec["sc_l70_hidden"] and rec["sc_bound_tp_l70"] < 1
+    assert rec["sc_bound_ep_64"] < rec["sc_mixtral_ffn"] and rec["sc_bound_ep_64"] > 2048
+    assert rec["sc_bound_cp_l70_step"] > rec["sc_bound_cp_l70"]
     mem = m["published"]["memory"]  # allocated tensors under the allocator's reserved peak, within 15%
     assert len(mem) == 2 and all(-0.15 < r["error"] < 0 for r in mem)
     cpu = {r["layout"]: r for r in m["cpu_prediction"]["rows"]}
@@ -397,8 +413,8 @@ def test_tensor_parallel_lab_metrics(lab_metrics):
     assert m["mesh_2d"] == [2, 2] and m["max_loss_dev_2d"] < 1e-5
     assert m["comm_2d"]["allgather_base"] > 0 and m["comm_2d"]["reduce_scatter_base"] > 0
     assert abs(m["model_state_bytes_2d"] / (mem["2"]["total"] / 2) - 1) < 0.01
-    nvlink, ib = m["bandwidth"]
-    assert nvlink["ratio"] < 0.5 and ib["ratio"] > 1
+    nvlink, ib, two_nodes = m["bandwidth"]  # the chapter: compute per rank halves, the bytes do not
+    assert nvlink["ratio"] < 0.5 and ib["ratio"] > 1 and nvlink["ratio"] < two_nodes["ratio"] < 1
 
 
 def test_pipeline_parallel_lab_metrics(lab_metrics):
@@ -427,9 +443,10 @@ def test_pipeline_parallel_lab_metrics(lab_metrics):
     assert m["p2p_bytes"]["send"] == m["p2p_bytes"]["recv"] == act
     assert m["p2p_bytes"]["allreduce"] == 256 * P["n_embd"] * 4 + 4
     assert m["tp_equiv_bytes"] == 4 * P["n_layer"] * act
-    lay = m["layout"]
-    assert (lay["tp"], lay["pp"], lay["dp"]) == (8, 2, 64) and lay["gb"] < 0.9 * P["plan_device_gb"]
-    assert any(not o["fits"] for o in m["layouts"]) and any(o["fits"] for o in m["layouts"])
+    lay = m["layout"]  # the fastest that fits, by the planner's step model
+    assert lay["gb"] < 0.9 * P["plan_device_gb"]
+    fits = [o for o in m["layouts"] if o["fits"]]
+    assert fits and len(fits) < len(m["layouts"]) and lay["step_s"] == min(o["step_s"] for o in fits)
 
 
 def test_communication_lab_metrics(lab_metrics):

@@ -9,7 +9,7 @@ import torch
 from tp_pp_fns import one_thread
 from labkit.launch import launch
 from labkit.core.model import GPT, GPTConfig, build_model
-from labkit.parallel.pipeline_parallel import GPTStage, check_pp, schedule_order, stage_bounds, stage_params
+from labkit.parallel.pipeline_parallel import GPTStage, Split, check_pp, schedule_order, stage_bounds, stage_params
 from labkit.parallel.pipeline_timeline import ActivationMeter, Event, bubble_formula, bubble_fraction
 from labkit.train import TrainConfig, train, train_many
 
@@ -28,6 +28,11 @@ VARIANTS = {"torch_gpipe": ("pp", "gpipe"), "torch_1f1b": ("pp", "1f1b"), "scrat
             "scratch_1f1b": ("pp_scratch", "1f1b"), "torch_interleaved": ("pp", "interleaved"),
             # the zero-bubble schedules torch ships: B and W split, interleaved and V-shaped placements
             "torch_zb": ("pp", "zb"), "torch_zbv": ("pp", "zbv"), "torch_dualpipev": ("pp", "dualpipev")}
+# Stages as torchtitan and Llama 3 cut them: any number a rank, the first and last a layer lighter
+# (4 layers + the embedding + the output on 6 stages: the first stage holds only the embedding).
+SPLITS = {"torch_interleaved_3_uneven": dict(pp_schedule="interleaved", pp_stages_per_rank=3,
+                                             pp_first_stage_less_layers=1, pp_last_stage_less_layers=1),
+          "torch_1f1b_uneven": dict(pp_schedule="1f1b", pp_first_stage_less_layers=1, pp_last_stage_less_layers=1)}
 # What the one loop gives every strategy, on pipelines too: a warmed-up cosine schedule, clipping that
 # bites, recomputation, bf16 autocast; each against one process doing the same.
 EXTRAS = {"cosine_clip_full": dict(lr_schedule="cosine", warmup_steps=2, grad_clip=0.05,
@@ -45,8 +50,9 @@ def ref():
 
 @pytest.fixture(scope="module")
 def runs():
-    names = list(VARIANTS) + [f"{e}/{s}" for e in EXTRAS for s in ("pp", "pp_scratch")]
+    names = list(VARIANTS) + list(SPLITS) + [f"{e}/{s}" for e in EXTRAS for s in ("pp", "pp_scratch")]
     configs = [replace(CFG, strategy=st, pp_schedule=sc, microbatches=M) for st, sc in VARIANTS.values()]
+    configs += [replace(CFG, strategy="pp", microbatches=M, **kw) for kw in SPLITS.values()]
     configs += [replace(CFG, strategy=s, microbatches=M, pp_schedule="1f1b", **kw) for kw in EXTRAS.values()
                 for s in ("pp", "pp_scratch")]
     out = launch(train_many, configs, MODEL, world_size=2, timeout=300)
@@ -63,7 +69,7 @@ def test_schedules_clipping_precision_and_recomputation_reach_pipelines(runs, ex
         assert diff < EXTRA_TOL[extra], (extra, s, diff)
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", list(VARIANTS) + list(SPLITS))
 def test_pipeline_matches_single_process_every_step(ref, runs, name):
     r = runs[0][name]
     diff = np.abs(np.array(ref["loss"]) - np.array(r["loss"]))
@@ -141,6 +147,12 @@ def test_schedules_in_order():
     assert schedule_order("1f1b", 3, 2, 4) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2),
                                                ("F", 3), ("B", 3)]
     assert stage_bounds(5, 2) == [(0, 3), (3, 5)] and stage_bounds(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    # torchtitan's split with the embedding and the output counted a layer each: Llama 3 405B's 126
+    # layers on 16 stages lose one at each end; on 128 chunks the first and last hold no layer
+    sizes = [hi - lo for lo, hi in stage_bounds(126, 16, 1, 1)]
+    assert sizes == [7] + [8] * 14 + [7]
+    chunks = [hi - lo for lo, hi in stage_bounds(126, 128, 1, 1)]
+    assert chunks[0] == chunks[-1] == 0 and set(chunks[1:-1]) == {1}
 
 
 def test_bubble_of_an_ideal_timeline_is_the_formula():
@@ -192,6 +204,18 @@ def test_bad_pipeline_shapes_are_clear_errors():
         TrainConfig(strategy="pp_scratch", pp_schedule="interleaved")
     check_pp(2, 4, 6, "interleaved")  # 3 rounds of 2
     check_pp(2, 4, 1, "gpipe")  # GPipe runs with one microbatch (no pipelining, all bubble)
+    # stages a rank and uneven ends
+    with pytest.raises(ValueError, match=r"pp_stages_per_rank=3 applies to the schedules that hold any number"):
+        check_pp(2, 8, 4, "1f1b", split=Split("1f1b", 3))
+    with pytest.raises(ValueError, match=r"pp_stages_per_rank=1 must be at least 2"):
+        check_pp(2, 8, 4, "interleaved", split=Split("interleaved", 1))
+    with pytest.raises(ValueError, match=r"pp=2 with pp_schedule='interleaved' needs 8 stages but the model has"):
+        check_pp(2, 4, 4, "interleaved", split=Split("interleaved", 4))
+    with pytest.raises(ValueError, match=r"pp_first_stage_less_layers=6 and pp_last_stage_less_layers=0 must be"):
+        check_pp(2, 4, 4, "1f1b", split=Split("1f1b", 0, 6, 0))
+    with pytest.raises(ValueError, match=r"pp_first_stage_less_layers=-1 must be a whole number of layers"):
+        check_pp(2, 4, 4, "1f1b", split=Split("1f1b", 0, -1, 0))
+    check_pp(2, 4, 4, "interleaved", split=Split("interleaved", 3, 1, 1))  # 6 stages: 4 layers + the two ends
 
 
 def test_one_stage_pipeline_is_plain_training(ref):

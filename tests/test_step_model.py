@@ -19,7 +19,7 @@ from labkit.planning.step_model import Operators, Plan, model_flops_per_token, p
 
 H100 = hardware("h100-80gb")
 # Stated in the chapter and the closing note: the median error over every published run, and the worst.
-MEDIAN_BOUND, WORST_BOUND = 0.10, 0.50
+MEDIAN_BOUND, WORST_BOUND = 0.10, 0.25
 
 
 def test_the_model_predicts_published_runs_within_the_stated_bounds():
@@ -84,14 +84,17 @@ def test_collectives_pay_latency_per_step_and_choose_the_tree_at_scale():
 
 
 def test_the_bubble_is_the_pipeline_formula_and_interleaving_shrinks_it():
-    shape = MODELS["llama3-70b"]
+    """(p-1)/v of a mean rank's micro-batch (Narayanan et al. 2021, section 2.2.2); with equal ranks
+    (no output layer: a model whose head is negligible) the share of the pipeline is (p-1)/(vm+p-1)."""
+    shape = dataclasses.replace(MODELS["llama3-70b"], vocab=8)
     base = Plan(tp=8, pp=4, dp=2, global_batch=32)
     for plan in (base, dataclasses.replace(base, schedule="interleaved", chunks=2)):
         parts = step_time(shape, plan, H100)
         pipeline = parts["total"] - parts["data_parallel"] - parts["optimizer"]
-        assert parts["bubble"] / pipeline == pytest.approx(bubble_formula(plan.pp, plan.microbatches, plan.chunks))
-    one = step_time(shape, base, H100)["bubble"]
-    two = step_time(shape, dataclasses.replace(base, schedule="interleaved", chunks=2), H100)["bubble"]
+        assert parts["bubble"] / pipeline == pytest.approx(bubble_formula(plan.pp, plan.microbatches, plan.v),
+                                                            rel=1e-3)
+    one = step_time(MODELS["llama3-70b"], base, H100)["bubble"]
+    two = step_time(MODELS["llama3-70b"], dataclasses.replace(base, schedule="interleaved", chunks=2), H100)["bubble"]
     assert two < one
 
 
@@ -112,8 +115,9 @@ def test_search_lists_only_layouts_that_fit_run_and_take_the_global_batch():
     shape = MODELS["llama3-70b"]
     ranked = search(shape, H100, 64, 256 * shape.seq_len, 80.0)
     assert ranked and all(r.memory_bytes <= 0.9 * 80e9 for r in ranked)
-    times = [r.prediction["total"] for r in ranked]
-    assert times == sorted(times)
+    times = [r.prediction["total"] for r in ranked]  # fastest first; within 0.1% the simpler layout
+    assert all(b >= a - 1e-3 * times[0] for a, b in zip(times, times[1:]))
+    assert times[0] <= min(times) * 1.001
     for r in ranked:
         p = r.plan
         assert p.devices == 64 and p.dp * p.micro_batch * p.microbatches == 256
@@ -139,7 +143,10 @@ def test_every_command_in_the_cli_header_runs_as_written(capsys):
         assert "MFU" in out, (argv, out)
     assert plan_cli.main(["--model", "llama3-405b", "--devices", "16384", "--global-batch", "16M"]) == 0
     out = capsys.readouterr().out
-    assert "16,777,216 tokens a step (2,048 sequences of 8,192)" in out and "run #1:" in out
+    assert "16,777,216 tokens a step (2,048 sequences of 8,192)" in out
+    assert "run #1 (2048 nodes of 8):" in out and "torchrun --nnodes 2048" in out and "sbatch --nodes=2048" in out
+    assert "--n-layer 126 --n-head 128 --n-embd 16384" in out and "note: labkit.train trains a GPT" in out
+    assert "published runs of its kind" in out
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -22,14 +22,14 @@ PROFILES: dict[str, dict[str, dict]] = {
     "tensor_parallel": {
         "cpu": dict(**FP32, device="cpu", world_size=2, steps=30, batch_size=16, lr=1e-3, seed=0, n_layer=2, n_head=4,
                     n_embd=64, block_size=64, comm_batch_sizes=[4, 8, 16, 32], degrees=[1, 2, 4], sweep_steps=5,
-                    steps_2d=10, bw_model="llama2-70b", bw_tp=8, bw_micro_batch=1, bw_device="h100-80gb", bw_mfu=0.5),
+                    steps_2d=10, bw_model="llama2-70b", bw_tp=8, bw_micro_batch=1, bw_device="h100-80gb"),
         "ci": dict(**FP32, device="cpu", world_size=2, steps=20, batch_size=8, lr=1e-3, seed=0, n_layer=2, n_head=4,
                    n_embd=64, block_size=32, comm_batch_sizes=[4, 8, 16], degrees=[1, 2, 4], sweep_steps=3,
-                   steps_2d=4, bw_model="llama2-70b", bw_tp=8, bw_micro_batch=1, bw_device="h100-80gb", bw_mfu=0.5),
+                   steps_2d=4, bw_model="llama2-70b", bw_tp=8, bw_micro_batch=1, bw_device="h100-80gb"),
         # GPT-2 small's shape at context 1024 on up to 4 GPUs: TP 1/2/4 and a 2 x 2 FSDP x TP mesh.
         "gpu": dict(**BF16_TF32, device="cuda", world_size=4, steps=100, batch_size=8, lr=6e-4, seed=0, n_layer=12, n_head=12,
                     n_embd=768, block_size=1024, comm_batch_sizes=[2, 4, 8], degrees=[1, 2, 4], sweep_steps=10,
-                    steps_2d=50, bw_model="llama2-70b", bw_tp=8, bw_micro_batch=1, bw_device="h100-80gb", bw_mfu=0.5),
+                    steps_2d=50, bw_model="llama2-70b", bw_tp=8, bw_micro_batch=1, bw_device="h100-80gb"),
     },
     "pipeline_parallel": {
         "cpu": dict(**FP32, device="cpu", world_size=2, steps=30, batch_size=16, lr=1e-3, seed=0, n_layer=4, n_head=2,
@@ -98,7 +98,8 @@ PROFILES: dict[str, dict[str, dict]] = {
         # interrupted_share, share_periods: the published 5-15% bands, read both ways (per month as AWS's
         # Spot Instance Advisor means them, per day); article_lost: the popular article's figure for
         # the preemption at hour 14 (its arithmetic is checked against its own run, not assumed)
-        "cpu": dict(tokens=1e12, target_days=30, mfu=0.4, run_cost=18000.0, run_hours=24.0, hours_in=14.0,
+        # price_batch: the 10B run's global batch, sequences of 2,048 tokens (4M tokens a step)
+        "cpu": dict(tokens=1e12, target_days=30, price_batch=2048, run_cost=18000.0, run_hours=24.0, hours_in=14.0,
                     interrupted_share=[0.05, 0.15], share_periods=["month", "day"], instances=100,
                     article_lost=17250.0, checkpoint_minutes=[10, 30, 60], write_minutes=2.0,
                     restart_minutes=10.0,
@@ -151,17 +152,17 @@ _OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "al
 PROFILES["communication"] = {
     "cpu": dict(**FP32, device="cpu", world_size=2, ops=_OPS, min_bytes=256, max_bytes=16 << 20, step_factor=4,
                 target_ms=40.0, n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16, steps=4,
-                lr=1e-3, seed=0, bucket_mbs=[0.01, 0.25, 25.0], accum=4, hsdp_world=4, replicas=2,
+                lr=1e-3, seed=0, bucket_mbs=[0.01, 0.25, 25.0], accum=4, hsdp_world=4, replicas=2, hsdp_nodes=8,
                 slow_rows=1, fast_rows=8, input_delay_ms=30.0, slow_link_gbps=0.02, slow_link_ms=2.0, diag_steps=8),
     "ci": dict(**FP32, device="cpu", world_size=2, ops=_OPS, min_bytes=256, max_bytes=4 << 20, step_factor=4,
                target_ms=20.0, n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=8, steps=4,
-               lr=1e-3, seed=0, bucket_mbs=[0.01, 0.25, 25.0], accum=4, hsdp_world=4, replicas=2,
+               lr=1e-3, seed=0, bucket_mbs=[0.01, 0.25, 25.0], accum=4, hsdp_world=4, replicas=2, hsdp_nodes=8,
                slow_rows=1, fast_rows=4, input_delay_ms=20.0, slow_link_gbps=0.02, slow_link_ms=2.0, diag_steps=5),
     # GPT-2 small's shape on every GPU of a node; messages up to 256 MB, as nccl-tests runs them.
     "gpu": dict(**BF16_TF32, device="cuda", world_size="all", ops=_OPS, min_bytes=256, max_bytes=256 << 20,
                 step_factor=4, target_ms=50.0, n_layer=12, n_head=12, n_embd=768, block_size=1024,
                 batch_size="8 per rank", steps=6, lr=6e-4, seed=0, bucket_mbs=[0.25, 5.0, 25.0], accum=4,
-                hsdp_world=4, replicas=2, slow_rows=1, fast_rows=8, input_delay_ms=100.0, slow_link_gbps=1.0,
+                hsdp_world=4, replicas=2, hsdp_nodes=8, slow_rows=1, fast_rows=8, input_delay_ms=100.0, slow_link_gbps=1.0,
                 slow_link_ms=0.05, diag_steps=8),
 }
 # Long sequences and many experts: context parallelism and a mixture of experts, each against one process.

@@ -5,11 +5,8 @@
   state (fp32 master weights, momentum, variance). Stage 1 shards the optimizer states over N ranks,
   stage 2 the gradients too, stage 3 the parameters too.
 * Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-  Transformer Models", section 4: sbh(34 + 5as/h) bytes per layer with 16-bit activations, with
-  tensor parallelism sbh(10 + 24/t + 5as/(ht)), with sequence parallelism (sbh/t)(34 + 5as/h).
-  The general form below also covers other activation widths, no dropout, and flash attention
-  (Dao et al. 2022), which never stores the s x s scores, so the lab's measurement can be held
-  against it term by term.
+  Transformer Models", section 4, generalised in :mod:`labkit.memory.activations` (re-exported
+  here): bytes per layer, times the layers, plus the head.
 
 Measurement lives in :mod:`labkit.memory.probe`; ``python -m labkit.memory`` prints a breakdown.
 """
@@ -21,13 +18,11 @@ from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 
 from labkit.core.checks import at_most, one_of, positive_count, positive_number
+from labkit.memory.activations import POLICIES, RECOMPUTE, activation_bytes_per_layer, autocast_extra_bytes_per_layer
 from labkit.memory.architecture import MODELS, ModelShape, expert_params
 from labkit.memory.hf_config import shape_from_hf_config
 
 GB = 10**9  # the ZeRO paper's GB; GiB is 2**30
-RECOMPUTE = ("none", "selective", "full")
-# + torchtitan's "op" AC (not run by labkit.train): keeps the 1st, 3rd... matmul outputs and attention's
-POLICIES = RECOMPUTE + ("op",)
 STAGES = (0, 1, 2, 3)
 # Bytes per parameter of Adam training, (weights, gradients, optimizer states), by precision recipe.
 BYTES_PER_PARAM = {
@@ -40,6 +35,10 @@ BYTES_PER_PARAM = {
 
 def _count(name: str, value) -> int:  # counts here may come as floats: 1e9 parameters
     return positive_count(name, value, accept_float=True)
+
+
+__all__ = ["GB", "POLICIES", "RECOMPUTE", "activation_bytes_per_layer", "autocast_extra_bytes_per_layer",
+           "estimate_memory", "model_shape", "model_state_breakdown", "zero_model_state_bytes"]
 
 
 def _stage(stage) -> int:
@@ -86,71 +85,6 @@ def model_state_breakdown(n_params: int, world_size: int = 1, stage: int = 0,
     return ModelStates(params=shard(w, stage >= 3), grads=shard(g, stage >= 2),
                        optimizer=shard(o, stage >= 1),
                        grad_accum=shard(4, stage >= 2) if fp32_grad_accum else 0)
-
-
-def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
-                               sequence_parallel: bool = False, recompute: str = "none",
-                               dtype_bytes: int = 2, dropout: bool = True,
-                               flash_attention: bool = False, kv_dim: int | None = None,
-                               ffn: int | None = None, swiglu: bool = False, kv_len: int | None = None) -> int:
-    """Bytes one transformer layer keeps for backward (Korthikanti et al. 2022, Table 2).
-
-    With the defaults (16-bit activations, dropout, attention scores stored) this is exactly the
-    paper's sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)) under tensor parallelism and
-    (sbh/t)(34 + 5as/h) with sequence parallelism. Terms, in elements of ``dtype_bytes``:
-    per layer 4sbh are never split by tensor parallelism (two LayerNorm inputs, the attention and
-    MLP inputs), 12sbh are split (Q, K, V, the projection input, two 4h MLP activations); each
-    dropout keeps a 1-byte mask (two of sbh, one of as^2b); the scores keep the softmax output
-    (and the dropout output). Flash attention keeps an fp32 log-sum-exp of asb instead of scores.
-    ``recompute="selective"`` drops the score term, ``"full"`` keeps only the layer input, ``"op"``
-    (torchtitan's policy, :data:`POLICIES`) the input, the 1st, 3rd... matmul outputs and attention's.
-
-    A LLaMA-style block (``swiglu``, grouped-query ``kv_dim``, its ``ffn`` width) keeps, split by
-    TP, Q (h), K and V (``kv_dim`` each), the projection input (h) and four ffn-wide tensors of its
-    SwiGLU MLP as PyTorch saves them (gate, SiLU(gate), up, and the down projection's input): 40.5sbh
-    for a Llama-2-70B layer instead of GPT's 34sbh. GPT's split 12sbh is the same count with
-    ``kv_dim = h`` and two 4h tensors.
-    """
-    s, b = _count("seq_len", seq_len), _count("micro_batch", micro_batch)
-    h, a, t = _count("hidden", hidden), _count("heads", heads), _count("tp", tp)
-    if recompute not in POLICIES:
-        raise ValueError(f"recompute={recompute!r} is unknown; valid modes: {list(POLICIES)}")
-    if dtype_bytes not in (1, 2, 4):
-        raise ValueError(f"dtype_bytes must be 1, 2 or 4, got {dtype_bytes!r}")
-    sp = t if sequence_parallel else 1
-    sbh, d, m = s * b * h, dtype_bytes, 1 if dropout else 0
-    if recompute == "full":
-        return math.ceil(Fraction(d * sbh, sp))
-    kv, f = kv_dim or h, ffn or 4 * h
-    if recompute == "op":  # the block's input, every second matmul's output, attention's output and LSE
-        # (width, split by TP) of each matmul's output in forward order
-        mms = ([(h, 1), (kv, 1), (kv, 1), (h, 0), (f, 1), (f, 1), (h, 0)] if swiglu else
-               [(h + 2 * kv, 1), (h, 0), (f, 1), (h, 0)])
-        kept = [mms[i] for i in range(0, len(mms), 2)] + [(h, 1)]
-        values = sum(Fraction(w * s * b, t if split else sp) for w, split in kept) + Fraction(sbh, sp)
-        return math.ceil(d * values + Fraction(4 * a * s * b, t))
-    unsplit = Fraction((4 * d + 2 * m) * sbh, sp)
-    split = Fraction(d * s * b * (2 * h + 2 * kv + (4 if swiglu else 2) * f), t)
-    if recompute == "selective":
-        scores = 0
-    elif flash_attention:
-        scores = Fraction(4 * a * s * b, t)
-    else:
-        keys = _count("kv_len", kv_len) if kv_len is not None else s  # CP: s/C queries against all s keys
-        scores = Fraction((2 * d + m if dropout else d) * a * s * keys * b, t)
-    return math.ceil(unsplit + split + scores)
-
-
-def autocast_extra_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int) -> int:
-    """What ``torch.autocast`` keeps on top of pure 16-bit activations, per layer.
-
-    Autocast runs LayerNorm in fp32, so the two LayerNorm inputs (the fp32 residual stream) are
-    saved at 4 bytes instead of 2 (+4sbh), and it caches the bf16 copy of each weight, which the
-    matmuls save for backward (+2 bytes x 12h^2 weights); each LayerNorm also keeps fp32 mean and
-    rstd (+16sb). Measured exactly on the lab's GPT (see the tests).
-    """
-    s, b, h = (_count(n, v) for n, v in (("seq_len", seq_len), ("micro_batch", micro_batch), ("hidden", hidden)))
-    return 4 * s * b * h + 24 * h * h + 16 * s * b
 
 
 def model_shape(model) -> ModelShape:
@@ -220,7 +154,7 @@ def estimate_memory(model, micro_batch: int = 1, world_size: int = 1, stage: int
                     sequence_parallel: bool = False, device_memory_gb: float = 80.0,
                     offload_optimizer: bool = False, flash_attention: bool = True,
                     dropout: bool | None = None, seq_len: int | None = None, pp: int = 1, cp: int = 1,
-                    ep: int = 1) -> MemoryEstimate:
+                    ep: int = 1, fused: bool = False) -> MemoryEstimate:
     """Whole-model, per-device estimate: model states, activations of every layer, and the head.
 
     Tensor parallelism divides the layer weights by ``tp`` and pipeline parallelism by ``pp``
@@ -239,6 +173,8 @@ def estimate_memory(model, micro_batch: int = 1, world_size: int = 1, stage: int
     states) by ``ep``; ZeRO then shards them over the ``world_size / (tp * pp * ep)`` ranks holding the
     same experts (:func:`parallel_parts`). A token routed to ``k`` experts keeps ``k`` MLPs' activations,
     the MLP's 19 of the 34 sbh of a layer (Korthikanti et al. 2022), hence ``1 + (k-1) 19/34``.
+    ``fused``: element-wise kernels fused as Megatron-Core fuses them (:func:`activation_bytes_per_layer`).
+    A pipeline stage by stage, schedule by schedule: :mod:`labkit.planning.stage_memory`.
     """
     shape = model_shape(model)
     world_size, tp, pp = _count("world_size", world_size), _count("tp", tp), _count("pp", pp)
@@ -258,7 +194,7 @@ def estimate_memory(model, micro_batch: int = 1, world_size: int = 1, stage: int
     states = parallel_parts(shape, world_size, stage, precision, tp, pp, ep)
     act_dtype = 4 if precision == "fp32" else 2
     dropout = shape.family == "gpt" if dropout is None else dropout  # LLaMA-style blocks have none
-    block = dict(kv_dim=shape.n_kv_heads * shape.d_head, ffn=shape.ffn, swiglu=shape.family != "gpt")
+    block = dict(kv_dim=shape.n_kv_heads * shape.d_head, ffn=shape.ffn, swiglu=shape.family != "gpt", fused=fused)
     per_layer = activation_bytes_per_layer(s, micro_batch, shape.hidden, shape.heads, tp,
                                            sequence_parallel, recompute, act_dtype,
                                            dropout=dropout, flash_attention=flash_attention, kv_len=full_s, **block)

@@ -9,23 +9,24 @@ from __future__ import annotations
 
 from labkit.core.model import GPTConfig
 from labkit.parallel.mesh import Degrees
-from labkit.parallel.pipeline_parallel import check_pp
+from labkit.parallel.pipeline_split import Split, check_pp
 from labkit.parallel.tensor_parallel import check_tp
 
 
 def check_layout(d: Degrees, model: GPTConfig, rows: int | None = None, microbatches: int | None = None,
                  schedule: str = "1f1b", pp_impl: str = "torch", sequence_parallel: bool = False,
-                 activation_checkpointing: str = "none") -> None:
+                 activation_checkpointing: str = "none", split: Split | None = None) -> None:
     """A ValueError naming the degree or field, unless ``d`` can place ``model``.
 
     ``rows``: the rows of the global batch each data-parallel rank reads per step (None: not known
-    yet); ``microbatches``: the pipeline's, when the layers run as a pipeline (None: they do not)."""
+    yet); ``microbatches``: the pipeline's, when the layers run as a pipeline (None: they do not);
+    ``split``: its stages per rank and first and last stage's layers (None: the schedule's own)."""
     check_tp(d.tp, model)
     if sequence_parallel and model.block_size // d.cp % d.tp:
         raise ValueError(f"sequence_parallel needs tp={d.tp} to divide the {model.block_size // d.cp} tokens of a "
                          f"sequence each rank holds (block_size={model.block_size}, cp={d.cp})")
     if microbatches is not None:
-        check_pp(d.pp, model.n_layer, microbatches, schedule, rows, pp_impl)
+        check_pp(d.pp, model.n_layer, microbatches, schedule, rows, pp_impl, split)
     if d.cp > 1:
         if model.block_size % (2 * d.cp):
             raise ValueError(f"block_size={model.block_size} must be divisible by 2 x cp = {2 * d.cp}: the zig-zag "

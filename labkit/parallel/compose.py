@@ -49,6 +49,7 @@ class Options:
     pipeline: bool = False  # run the pipeline schedule even on one stage (the ``pp`` strategies)
     pp_impl: str = "torch"  # or "scratch": the hand-written schedules
     pp_schedule: str = "1f1b"
+    pp_split: pipe.Split | None = None  # stages per rank, first and last stage's layers (None: the schedule's)
     microbatches: int = 1
     rows: int = 1  # rows of the global batch this rank reads per step (its pipeline's microbatches)
     precision: str = "fp32"
@@ -99,8 +100,9 @@ def parallelize(model: GPT, dims: ParallelDims, opts: Options, device: torch.dev
 def _stages(model: GPT, dims: ParallelDims, opts: Options) -> tuple[list[pipe.GPTStage], tuple]:
     """This rank's stages (two chunks per rank when interleaved, r and r + pp; in a V, r and 2 pp - 1 - r)."""
     pp, rank = dims.degrees.pp, dims.coords["pp"]
-    n_stages = pp * pipe.VIRTUAL[opts.pp_schedule]
-    stages = [pipe.GPTStage(model, i, n_stages) for i in pipe.stage_indices(rank, pp, opts.pp_schedule)]
+    split = opts.pp_split or pipe.Split(opts.pp_schedule)
+    n_stages = split.n_stages(pp)
+    stages = [pipe.GPTStage(model, i, n_stages, split.first_less, split.last_less) for i in split.indices(rank, pp)]
     if stages[0].first and stages[-1].last and n_stages > 1:
         # A V puts both uses of the tied matrix on this rank. The zero-bubble schedules defer the
         # weight gradients of each stage apart and miss what the two stages share (seen: a loss off by

@@ -58,6 +58,23 @@ def apply_fsdp(parts: list[nn.Module], mesh, reshard_after_forward: bool = True,
     return parts
 
 
+def cross_node_bytes(psi_bytes: float, nodes: int, per_node: int) -> dict[str, float]:
+    """Bytes per step that leave one node, on rail-optimised nodes (one NIC per GPU), for FSDP over all
+    ``nodes x per_node`` ranks and for HSDP sharded inside each node and replicated across nodes.
+
+    A ring over ranks numbered node by node crosses each node's boundary once; NCCL runs one ring per
+    channel, each on its own NIC, over a share of the buffer, so together they carry what one ring
+    carries through the boundary: ``(N-1)/N`` of the buffer per pass. FSDP's three passes (two
+    gathers, a reduce-scatter) push about ``3 Psi`` out of each node, which is ``1/per_node`` of what
+    its ranks send in all: most of a rank's ring traffic stays on NVLink. HSDP's shard group never
+    leaves the node; each rank all-reduces its ``Psi/S`` gradient shard across the ``R = nodes``
+    replicas, ``2 (R-1)/R Psi/S`` sent per rank, ``2 (R-1)/R Psi`` per node (Zhao et al. 2023)."""
+    world = nodes * per_node
+    fsdp = 3 * psi_bytes * (world - 1) / world
+    return {"fsdp": fsdp, "fsdp_all_ranks": 3 * psi_bytes * (world - 1) / world * per_node,
+            "hsdp": 2 * psi_bytes * (nodes - 1) / nodes}
+
+
 def hsdp_formula(psi_bytes: int, world: int, replicas: int) -> dict[str, dict[str, float]]:
     """Payload bytes per step on each mesh dimension (what the counter counts) and the bytes one rank
     sends under ring collectives, for HSDP and for FSDP over all ``world`` ranks (Zhao et al. 2023):

@@ -25,64 +25,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.comm.p2p import exchange
-from labkit.core.checks import one_of, positive_int
 from labkit.core.model import GPT, GPTConfig
 from labkit.parallel.pipeline_timeline import Timeline
 
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev")
-IMPLS = ("torch", "scratch")
-VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb": 2, "zbv": 2, "dualpipev": 2}  # layer chunks per rank
-# Zero-bubble schedules split a backward into its input gradient (B, on the critical path) and its
-# weight gradient (W, deferred into what would be bubble): Qi et al. 2023, "Zero Bubble Pipeline
-# Parallelism" (ZB-H1 interleaved; ZB-V), and DeepSeek-V3's DualPipe in its V-shaped form. The
-# V-shaped ones place rank r's two chunks at stages r and 2 pp - 1 - r, so that the first and last
-# stages share rank 0.
-V_SHAPED = ("zbv", "dualpipev")
-ZERO_BUBBLE = ("zb", "zbv", "dualpipev")
-
-
-def stage_indices(rank: int, pp: int, schedule: str) -> list[int]:
-    """The pipeline stages rank ``rank`` of ``pp`` holds under ``schedule``: one, two interleaved
-    (r and r + pp), or two in a V (r and 2 pp - 1 - r)."""
-    if schedule in V_SHAPED:
-        return [rank, 2 * pp - 1 - rank]
-    return [rank + k * pp for k in range(VIRTUAL[schedule])]
-
-
-def check_pp(pp: int, n_layer: int, microbatches: int, schedule: str, batch_size: int | None = None,
-             impl: str = "torch") -> None:
-    """Clear errors for a pipeline that cannot be built; call before any communication."""
-    one_of("pp_schedule", schedule, PP_SCHEDULES, "pipeline schedules")
-    one_of("impl", impl, IMPLS, "implementations")
-    if impl == "scratch" and schedule not in ("gpipe", "1f1b"):
-        raise ValueError(f"pp_schedule={schedule!r} needs torch pipelining (strategy 'pp'); the hand-written "
-                         "pipeline (strategy 'pp_scratch') has 'gpipe' and '1f1b'")
-    positive_int("pp", pp)
-    positive_int("microbatches", microbatches)
-    stages = pp * VIRTUAL[schedule]
-    if stages > n_layer:
-        raise ValueError(f"pp={pp} with pp_schedule={schedule!r} needs {stages} stages but the model has "
-                         f"n_layer={n_layer} layers; use pp <= {n_layer // VIRTUAL[schedule]} or more layers")
-    if schedule != "gpipe" and microbatches < pp:
-        raise ValueError(f"pp_schedule={schedule!r} needs microbatches >= pp: microbatches={microbatches} < "
-                         f"pp={pp} leaves a stage with nothing to alternate; use microbatches >= {pp} or 'gpipe'")
-    rounds = max(1, microbatches // pp)
-    if schedule in ("interleaved", "zb") and microbatches % rounds:
-        # torch's ScheduleInterleaved1F1B runs the microbatches in rounds of about pp each
-        valid = [m for m in range(pp, 4 * pp + 1) if m % max(1, m // pp) == 0]
-        raise ValueError(f"pp_schedule={schedule!r} needs microbatches divisible by its {rounds} rounds "
-                         f"(microbatches // pp); microbatches={microbatches} with pp={pp} is not; valid "
-                         f"microbatches up to {4 * pp}: {valid}")
-    if batch_size is not None and batch_size % microbatches:
-        valid = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
-        raise ValueError(f"microbatches={microbatches} must divide batch_size={batch_size}; valid: {valid}")
-
-
-def stage_bounds(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` layers of each stage: as equal as possible, earlier stages taking the remainder."""
-    sizes = [n_layer // n_stages + (i < n_layer % n_stages) for i in range(n_stages)]
-    starts = [sum(sizes[:i]) for i in range(n_stages)]
-    return [(a, a + n) for a, n in zip(starts, sizes)]
+from labkit.parallel.pipeline_split import (  # noqa: F401 (the names this module has always given)
+    IMPLS, MULTI, PP_SCHEDULES, V_SHAPED, VIRTUAL, ZERO_BUBBLE, Split, check_pp, stage_bounds, stage_indices)
 
 
 class GPTStage(nn.Module):
@@ -92,9 +39,9 @@ class GPTStage(nn.Module):
     names are the GPT's (``blocks.3.attn.qkv.weight``), so state dicts merge back into the model's.
     """
 
-    def __init__(self, model: GPT, index: int, n_stages: int) -> None:
+    def __init__(self, model: GPT, index: int, n_stages: int, first_less: int = 0, last_less: int = 0) -> None:
         super().__init__()
-        lo, hi = stage_bounds(model.config.n_layer, n_stages)[index]
+        lo, hi = stage_bounds(model.config.n_layer, n_stages, first_less, last_less)[index]
         self.index, self.first, self.last = index, index == 0, index == n_stages - 1
         if self.first:
             self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
@@ -204,10 +151,10 @@ def _timed_stage_class():
     return TimedStage
 
 
-def stage_params(cfg: GPTConfig, n_stages: int, index: int) -> int:
+def stage_params(cfg: GPTConfig, n_stages: int, index: int, first_less: int = 0, last_less: int = 0) -> int:
     """Parameters stage ``index`` holds: its blocks, plus the embeddings (first) or the final norm
     and a copy of the tied head (last, when it is not also the first)."""
-    lo, hi = stage_bounds(cfg.n_layer, n_stages)[index]
+    lo, hi = stage_bounds(cfg.n_layer, n_stages, first_less, last_less)[index]
     C, V, ln = cfg.n_embd, cfg.vocab_size, cfg.n_embd * (1 + int(cfg.bias))
     per_block = (GPT.count_params(cfg) - V * C - cfg.block_size * C - ln) // cfg.n_layer
     n = (hi - lo) * per_block

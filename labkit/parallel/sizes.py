@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from labkit.core.model import GPTConfig
 from labkit.parallel.mesh import Degrees
-from labkit.parallel.pipeline_parallel import VIRTUAL, stage_bounds, stage_indices
+from labkit.parallel.pipeline_split import Split
 
 
 def layer_params(cfg: GPTConfig, tp: int = 1, ep: int = 1) -> tuple[int, int]:
@@ -24,18 +24,19 @@ def layer_params(cfg: GPTConfig, tp: int = 1, ep: int = 1) -> tuple[int, int]:
     return norms + attention + (8 * C * C + 4 * C * b) // tp + C * b, 0
 
 
-def params_on_rank(cfg: GPTConfig, d: Degrees, pp_rank: int = 0, schedule: str | None = None) -> tuple[int, int]:
+def params_on_rank(cfg: GPTConfig, d: Degrees, pp_rank: int = 0, schedule: str | Split | None = None) -> tuple[int, int]:
     """Parameters rank ``pp_rank`` of the pipeline holds, (dense, experts) (``schedule``: the pipeline's,
-    None without one)."""
+    or its :class:`~labkit.parallel.pipeline_parallel.Split`; None without one)."""
     C, V = cfg.n_embd, cfg.vocab_size
     embeddings, final_norm = V * C + cfg.block_size * C, C * (1 + int(cfg.bias))
     dense, experts = layer_params(cfg, d.tp, d.ep)
     if schedule is None:
         return cfg.n_layer * dense + embeddings + final_norm, cfg.n_layer * experts
-    n_stages = d.pp * VIRTUAL[schedule]
+    split = schedule if isinstance(schedule, Split) else Split(schedule)
+    n_stages, bounds = split.n_stages(d.pp), split.bounds(cfg.n_layer, d.pp)
     held = [0, 0]
-    for index in stage_indices(pp_rank, d.pp, schedule):
-        lo, hi = stage_bounds(cfg.n_layer, n_stages)[index]
+    for index in split.indices(pp_rank, d.pp):
+        lo, hi = bounds[index]
         held[0] += (hi - lo) * dense + (embeddings if index == 0 else 0)
         held[0] += (final_norm + (V * C if n_stages > 1 else 0)) if index == n_stages - 1 else 0
         held[1] += (hi - lo) * experts

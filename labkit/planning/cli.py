@@ -1,7 +1,7 @@
 """``python -m labkit.memory``: memory per device, a strategy, and the price of a run, in a terminal.
 
     python -m labkit.memory --model llama2-70b --devices 8 --device-type a100-80gb
-    python -m labkit.memory --model 10b --devices 256 --tokens 1e12 --device-type h100-80gb --spot
+    python -m labkit.memory --model 10b --devices 256 --tokens 1e12 --device-type h100-80gb
     python -m labkit.memory --model llama2-70b --finetune qlora --lora-rank 16 --devices 1 --device-type h200
     python -m labkit.memory --model path/to/config.json --device-gb 48 --finetune lora --json
     python -m labkit.memory --hidden 4096 --layers 32 --heads 32 --kv-heads 8 --intermediate 14336 --devices 8
@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict
 
-from labkit.core.checks import at_most, fraction, positive_int, positive_number
+from labkit.core.checks import at_most, positive_int, positive_number
 from labkit.core.cli import ArgumentParser
 from labkit.memory.architecture import FAMILIES, ModelShape
 from labkit.memory.calculator import GB, MODELS, RECOMPUTE, estimate_memory, model_shape
 from labkit.memory.finetune import FINETUNE, TRAINED_BYTES, estimate_finetune
 from labkit.planning.accelerators import ACCELERATORS
-from labkit.planning.candidates import run_command
-from labkit.planning.choose import HFU_ASSUMED, choose_strategy
+from labkit.planning.choose import choose_strategy
+from labkit.planning.commands import degrees, launch
 from labkit.planning.cost import DEFAULT_PREEMPTIONS_PER_DAY, price_run
 from labkit.planning.hardware import HARDWARE
 from labkit.planning.memory_report import choose_finetune, report
+from labkit.planning.published import spread
 
 SHAPE_FLAGS = ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "experts", "experts_per_token")
 LORA_FLAGS = ("lora_rank", "lora_targets", "lora_dropout")
@@ -75,11 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "device by kind, the recommendation with its degrees and the labkit.train command that runs it")
     p.add_argument("--train-device", choices=("cuda", "cpu"), default="cuda", help="where the printed labkit.train "
                    "command runs: cuda (one GPU per rank, NCCL) or cpu (gloo processes, to try a layout out)")
-    p.add_argument("--tokens", type=float, default=None, help="training tokens, to price the run")
-    p.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation you expect: of the model's "
-                   "6ND, recomputation not counted (default 0.4)")
-    p.add_argument("--hfu", type=float, default=None, help="or hardware FLOPs utilisation: of every FLOP the "
-                   "devices run, 8ND with --recompute full")
+    p.add_argument("--tokens", type=float, default=None, help="training tokens, to price the run: steps of the "
+                   "recommended layout (its global batch) x its predicted step (labkit.planning.step_model)")
     p.add_argument("--preemptions-per-day", type=float, default=DEFAULT_PREEMPTIONS_PER_DAY,
                    help="spot preemptions per 8-GPU instance per day (default: 10%% of instances interrupted "
                         "a month, the middle of AWS's bands; labkit.planning.cost.preemptions_per_day converts a band)")
@@ -99,11 +98,6 @@ def _check(a) -> None:
             positive_int("--" + flag.replace("_", "-"), getattr(a, flag))
     if a.device_gb is not None:
         at_most("--device-gb", positive_number("--device-gb", a.device_gb), 1e6, "a million GB on one device")
-    for flag in ("mfu", "hfu"):
-        if getattr(a, flag) is not None:
-            fraction(f"--{flag}", getattr(a, flag), low_open=True)
-    if a.mfu is not None and a.hfu is not None:
-        raise ValueError("--mfu and --hfu: give one; the other follows from it and --recompute")
     if a.tokens is not None:
         positive_number("--tokens", a.tokens)
     positive_number("--preemptions-per-day", a.preemptions_per_day)
@@ -143,22 +137,31 @@ def _plan(a) -> dict:
         common = dict(micro_batch=a.micro_batch, seq_len=a.seq_len, precision=a.precision, **lora)
         stages = [estimate_finetune(shape, a.finetune, world_size=a.devices, stage=s, recompute=a.recompute,
                                     device_memory_gb=memory_gb, **common) for s in range(4)]
-        if a.finetune == "full":  # what pretraining holds: its candidates (TP, PP, offload) apply
-            rec = choose_strategy(shape, a.devices, memory_gb, a.micro_batch, a.seq_len, a.precision or "mixed")
+        if a.finetune == "full":  # what pretraining holds: the planner's layouts (TP, PP, offload) apply
+            rec = choose_strategy(shape, a.devices, memory_gb, a.micro_batch, a.seq_len, device=dev_type)
         else:
             rec = choose_finetune(shape, a.finetune, a.devices, memory_gb, a.recompute, **common)
     else:
         precision = a.precision or "mixed"
         stages = [estimate_memory(shape, a.micro_batch, a.devices, s, precision, a.recompute,
                                   device_memory_gb=memory_gb, seq_len=a.seq_len, cp=a.cp, ep=a.ep) for s in range(4)]
-        rec = choose_strategy(shape, a.devices, memory_gb, a.micro_batch, a.seq_len, precision)
-    price = None
-    if a.tokens:
-        price = price_run(shape.n_params, a.tokens, a.devices, dev_type, a.mfu, a.recompute,
-                          preemptions_per_instance_per_day=a.preemptions_per_day, hfu=a.hfu)
+        rec = choose_strategy(shape, a.devices, memory_gb, a.micro_batch, a.seq_len, device=dev_type)
+    price = steps = None
+    chosen = getattr(rec, "chosen", None)
+    if a.tokens and chosen is not None:  # the recommended layout's steps at its predicted step time
+        seq = a.seq_len or shape.seq_len
+        steps = math.ceil(a.tokens / (chosen.plan.global_batch * seq))
+        price = price_run(shape.n_params, a.tokens, a.devices, dev_type, recompute=_recompute(chosen.plan.recompute),
+                          preemptions_per_instance_per_day=a.preemptions_per_day,
+                          hours=steps * chosen.prediction["total"] / 3600)
     model_name = a.model or ("custom shape" if shape.note == "from the shape flags" else "llama2-7b")
     return {"name": model_name, "shape": shape, "device": dev, "device_type": dev_type, "device_name": name,
-            "memory_gb": memory_gb, "stages": stages, "recommendation": rec, "price": price, "finetune": a.finetune}
+            "memory_gb": memory_gb, "stages": stages, "recommendation": rec, "price": price, "steps": steps,
+            "finetune": a.finetune}
+
+
+def _recompute(policy: str) -> str:  # what cost.training_flops counts: a whole forward again, or none
+    return "full" if policy == "full" else "none"
 
 
 def _print_finetune(a, r) -> None:
@@ -180,27 +183,45 @@ def _print_finetune(a, r) -> None:
         print(f"rule of thumb says {rec.rule_of_thumb}" + ("" if rec.rule_fits else " (which does not fit here)"))
 
 
-def _planning_command(a) -> str:
-    """The ``python -m labkit.planning`` command for the same model and devices."""
+def _planning_command(a, r) -> str:
+    """The ``python -m labkit.planning`` command for the same model, devices and global batch."""
     model = [f"--model {a.model}"] if a.model else [f"--{f.replace('_', '-')} {getattr(a, f)}" for f in SHAPE_FLAGS
                                                    if getattr(a, f) is not None]
-    device = [f"--device-type {a.device_type}"] if a.device_type in HARDWARE else []
     seq = [f"--seq-len {a.seq_len}"] if a.seq_len else []
-    return " ".join(["python -m labkit.planning", *model, *seq, f"--devices {a.devices}", *device,
-                     "--global-batch TOKENS"])
+    tokens = a.micro_batch * a.devices * (a.seq_len or r["shape"].seq_len)
+    return " ".join(["python -m labkit.planning", *model, *seq, f"--devices {a.devices}",
+                     f"--device-type {r['device_type']}", f"--global-batch {tokens}"])
 
 
 def _run(a, r) -> dict | None:
     """The recommended layout as a labkit.train run (None for LoRA, QLoRA, or when nothing fits)."""
-    rec = r["recommendation"]
-    chosen = getattr(rec, "chosen", None)
+    chosen = getattr(r["recommendation"], "chosen", None)
     if a.finetune in ("lora", "qlora") or chosen is None:
         return None
-    seq = a.seq_len or r["shape"].seq_len
-    out = run_command(chosen.candidate.train_args(a.devices, a.micro_batch), r["shape"], a.devices, seq,
-                      a.precision or "mixed", a.train_device, tokens=a.tokens)
-    degrees = chosen.candidate.degrees(a.devices)
-    return {"degrees": asdict(degrees), "degrees_label": degrees.label(), **out}
+    out = launch(chosen.train_args, r["shape"], a.devices, device=a.train_device, steps=r["steps"])
+    d = degrees(chosen.plan)
+    return {"degrees": asdict(d), "degrees_label": d.label(), **out}
+
+
+def _print_pretraining(a, r) -> None:
+    rec, shape = r["recommendation"], r["shape"]
+    print(f"{'stage':>6} {'params':>9} {'grads':>9} {'optim':>9} {'activ':>9} {'total GB':>9}  fits")
+    for stage, e in enumerate(r["stages"]):
+        cells = [e.params, e.grads, e.optimizer, e.activations + e.head, e.total]
+        print(f"{stage:>6} " + " ".join(f"{c / GB:9.1f}" for c in cells) + f"  {'yes' if e.fits else 'no'}")
+    seq = a.seq_len or shape.seq_len
+    print(f"\nranked for {a.micro_batch} x {seq:,}-token sequence(s) per device, {a.micro_batch * a.devices:,} a step "
+          f"(labkit.planning.step_model; bf16 mixed precision)")
+    print(f"recommended: {rec.strategy or 'nothing fits'}\n  {rec.reason}")
+    if rec.chosen is not None:
+        s = spread(rec.chosen.plan)
+        print(f"  published runs of its kind ({s['kind'] if s['same_kind'] else 'nearest: ' + s['kind']}, {s['n']}): "
+              f"the model was {s['low']:+.0%}..{s['high']:+.0%} of what they measured")
+    slower = rec.rule_slowdown()
+    verdict = ("which does not fit here" if not rec.rule_fits else
+               f"{slower:+.0%} a step" if slower is not None and abs(slower) >= 0.005 else "as fast")
+    print(f"rule of thumb says {rec.rule_of_thumb}: {rec.rule.label} ({verdict})")
+    print(f"  to rank layouts for another global batch: {_planning_command(a, r)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,31 +235,29 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(report(r, a) | {"run": run}, indent=2))
         return 0
-    shape, rec, c = r["shape"], r["recommendation"], r["price"]
+    shape, c = r["shape"], r["price"]
     active = f" ({shape.active_params / 1e9:.2f} B active)" if shape.experts > 1 else ""
     print(f"{r['name']}: {shape.n_params / 1e9:.2f} B parameters{active}, {shape.n_layer} layers, hidden "
           f"{shape.hidden}; {a.devices} x {r['device_name']} ({r['memory_gb']:g} GB)")
     if a.finetune:
         _print_finetune(a, r)
     else:
-        print(f"{'stage':>6} {'params':>9} {'grads':>9} {'optim':>9} {'activ':>9} {'total GB':>9}  fits")
-        for stage, e in enumerate(r["stages"]):
-            cells = [e.params, e.grads, e.optimizer, e.activations + e.head, e.total]
-            print(f"{stage:>6} " + " ".join(f"{c / GB:9.1f}" for c in cells) + f"  {'yes' if e.fits else 'no'}")
-        print(f"\nrecommended: {rec.strategy or 'nothing fits'}\n  {rec.reason}")
-        print(f"rule of thumb says {rec.rule_of_thumb}" + ("" if rec.rule_fits else " (which does not fit here)"))
-        print(f"  (a step at an assumed {HFU_ASSUMED:.0%} HFU and this micro-batch; for layouts ranked to the global "
-              f"batch the run can afford, with a predicted MFU:\n   {_planning_command(a)})")
+        _print_pretraining(a, r)
     if run is not None:
-        print(f"\nrun it ({run['degrees_label']}; {run['model']}):\n  {run['command']}")
+        print(f"\nrun it ({run['degrees_label']}):\n  {run['command']}")
+        if run["nodes"] > 1:
+            print(f"  or under Slurm:\n  {run['sbatch']}")
+        if run["warning"]:
+            print(f"  note: {run['warning']}")
     if c is not None:
-        dev = r["device"]
-        print(f"\n{c.model_flops:.3g} model FLOPs ({c.flops:.3g} run, with recomputation) at {c.mfu:.0%} MFU "
-              f"({c.hfu:.0%} HFU): {c.hours:,.0f} h on {a.devices} devices ({c.gpu_hours:,.0f} GPU-hours)")
+        chosen, dev = r["recommendation"].chosen, r["device"]
+        print(f"\n{a.tokens:.3g} tokens: {r['steps']:,} steps of {chosen.plan.global_batch:,} x {shape.seq_len:,} tokens "
+              f"at {chosen.prediction['total']:.2f} s predicted: {c.hours:,.0f} h on {a.devices} devices "
+              f"({c.gpu_hours:,.0f} GPU-hours, {c.mfu:.0%} MFU of 6ND)")
         print(f"  on demand ${c.cost_on_demand:,.0f} at ${dev.price_on_demand}/GPU-h (assumed)")
         print(f"  spot ${c.cost_spot:,.0f} at ${dev.price_spot}/GPU-h (assumed): a preemption every "
               f"{c.mtbf_hours:.1f} h, checkpoints every {c.checkpoint_interval_hours * 60:.0f} min, "
               f"{c.spot_hours:,.0f} h expected")
-        if a.finetune in ("lora", "qlora"):
-            print("  (6ND: an upper bound here; LoRA's backward skips the frozen weights' gradients, about 4ND)")
+    elif a.tokens and a.finetune in ("lora", "qlora"):
+        print("\n--tokens: not priced for LoRA or QLoRA: the step model has no frozen base (no weight gradients)")
     return 0

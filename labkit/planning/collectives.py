@@ -79,8 +79,21 @@ reduce_scatter = all_gather
 
 
 def all_to_all(hw: Hardware, g: Group, nbytes: float) -> float:
-    """Seconds for an all-to-all of ``nbytes`` per rank: (n-1)/n of it leaves the rank."""
-    return all_gather(hw, g, nbytes)
+    """Seconds for an all-to-all of ``nbytes`` per rank, each rank sending ``nbytes / n`` to every other.
+
+    Not a ring: NCCL runs it as one send and one receive per peer, all at once, so no byte is
+    forwarded and the ring's trick of spreading a node's cross-node traffic over its NICs does not
+    apply. Of what a rank sends, ``(k - 1) / n`` stays in its node (NVLink) and ``(n - k) / n``
+    leaves it through the rank's own NIC (rail-optimised: one NIC per GPU), so a node of ``k``
+    ranks pushes ``k (n - k) / n`` of a rank's bytes through its ``k`` NICs; both parts move at once
+    and the slower decides (DeepSeek-AI 2024, section 3.2.2, on the same split of IB and NVLink)."""
+    if g.n <= 1 or nbytes <= 0:
+        return 0.0
+    k = min(g.per_node, g.n)
+    inside = (k - 1) / g.n * nbytes / (hw.node.busbw_gb_per_s * 1e9)
+    leaving = (g.n - k) / g.n * nbytes / (hw.network.busbw_gb_per_s * 1e9)
+    latency = hw.network.step_latency_s if g.nodes > 1 else hw.node.step_latency_s
+    return hw.base_latency_s + latency + max(inside, leaving)
 
 
 def send(hw: Hardware, nbytes: float, across_nodes: bool) -> float:

@@ -164,16 +164,22 @@ class RunCost:
 def price_run(n_params: float, tokens: float, n_devices: int, device_name: str, mfu: float | None = None,
               recompute: str = "none", devices_per_instance: int = 8,
               preemptions_per_instance_per_day: float = DEFAULT_PREEMPTIONS_PER_DAY, checkpoint_minutes: float = 5.0,
-              restart_minutes: float = 10.0, hfu: float | None = None) -> RunCost:
+              restart_minutes: float = 10.0, hfu: float | None = None, hours: float | None = None) -> RunCost:
     """Compute, time and money of a run, on demand and on spot with Young-interval checkpoints.
 
-    Give the utilisation as ``mfu`` (of the model's 6ND; default 0.4) or as ``hfu`` (of every FLOP the
-    devices run, recomputation included): with full recomputation, the same ``hfu`` takes 4/3 as long."""
+    Give the run's ``hours`` (the step model's: steps x predicted step, as the planners do), or, to
+    price a what-if, its utilisation as ``mfu`` (of the model's 6ND; default 0.4) or ``hfu`` (of every
+    FLOP the devices run, recomputation included: with full recomputation the same ``hfu`` takes 4/3
+    as long); the others follow."""
     dev = accelerator(device_name)
     flops, model_flops = training_flops(n_params, tokens, recompute), training_flops(n_params, tokens)
-    if mfu is not None and hfu is not None:
-        raise ValueError(f"give mfu={mfu!r} or hfu={hfu!r}, not both: each follows from the other and recompute")
-    if hfu is not None:
+    if sum(x is not None for x in (mfu, hfu, hours)) > 1:
+        raise ValueError(f"give one of hours={hours!r}, mfu={mfu!r}, hfu={hfu!r}: the others follow from it")
+    if hours is not None:
+        hours = positive_number("hours", hours)
+        mfu = model_flops / (hours * 3600 * _count("n_devices", n_devices) * dev.peak_bf16_tflops * 1e12)
+        hfu = mfu * flops / model_flops
+    elif hfu is not None:
         hours = training_hours(flops, n_devices, dev.peak_bf16_tflops, hfu)
         mfu = hfu * model_flops / flops
     else:

@@ -94,10 +94,10 @@ def three_ways(model: str = "llama2-70b", device: str = "a100-80gb", devices: in
         rows.append(_row(label, key, gpus, rec.strategy, e.total if e else 0, 0, shape.n_params,
                          e.trainable_params if e else 0, 4.0, device, a, e.stage if e else 0))
     rec = choose_strategy(shape, n, dev.memory_gb, 1, a.seq_len, device=device)
-    chosen = rec.chosen.estimate if rec.chosen else None
-    full = dict(rec_label=rec.strategy, total=chosen.total if chosen else 0, host=chosen.host_bytes if chosen else 0,
-                n_params=shape.n_params, trained=shape.n_params, flops_per_token=6.0, device_name=device,
-                stage=chosen.stage if chosen else 0)
+    chosen = rec.chosen
+    full = dict(rec_label=rec.strategy, total=chosen.memory.total if chosen else 0,
+                host=chosen.memory.host if chosen else 0, n_params=shape.n_params, trained=shape.n_params,
+                flops_per_token=6.0, device_name=device, stage=chosen.plan.zero if chosen else 0)
     rows.append(_row(f"full fine-tuning on {n} GPUs", "full", n, a=a, **full))
     scratch = _row(f"pretraining from scratch on {n} GPUs", "full", n, a=a, **full)
     scale = a.pretrain_tokens / a.tokens  # the same step, D tokens instead of the fine-tuning set's

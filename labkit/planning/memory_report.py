@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 from labkit.memory.calculator import GB, MemoryEstimate
 from labkit.memory.finetune import FinetuneEstimate, estimate_finetune
+from labkit.planning.stage_memory import RankMemory
 
 STAGE_LABELS = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2 (FSDP SHARD_GRAD_OP)", 3: "ZeRO-3 / FSDP"}
 KINDS = FinetuneEstimate.KINDS  # frozen_weights, trained_weights, grads, optimizer, activations
@@ -66,10 +67,14 @@ def _kinds(e: FinetuneEstimate) -> str:
 
 
 def bytes_by_kind(e) -> dict:
-    """The five kinds for a fine-tuning estimate, or a pretraining ``MemoryEstimate`` (nothing frozen)."""
+    """The five kinds for a fine-tuning estimate, a pretraining ``MemoryEstimate`` or a planned layout's
+    fullest rank (:class:`labkit.planning.stage_memory.RankMemory`; nothing frozen)."""
     if isinstance(e, MemoryEstimate):
         return {"frozen_weights": 0, "trained_weights": e.params, "grads": e.grads, "optimizer": e.optimizer,
                 "activations": e.activations + e.head}
+    if isinstance(e, RankMemory):
+        return {"frozen_weights": 0, "trained_weights": e.params, "grads": e.grads, "optimizer": e.optimizer,
+                "activations": e.activations + e.loss + e.buffers}
     return e.bytes_by_kind()
 
 
@@ -83,7 +88,7 @@ def report(plan: dict, args) -> dict:
     if isinstance(rec, FinetuneRecommendation):
         chosen = rec.estimate
     else:
-        chosen = rec.chosen.estimate if rec.chosen is not None else None
+        chosen = rec.chosen.memory if rec.chosen is not None else None
     kinds = bytes_by_kind(chosen if chosen is not None else plan["stages"][-1])
     first = plan["stages"][0]
     return {
@@ -91,12 +96,15 @@ def report(plan: dict, args) -> dict:
         "shape": asdict(shape), "devices": args.devices,
         "device": {"type": args.device_type, "name": plan["device_name"], "memory_gb": plan["memory_gb"]},
         "micro_batch": args.micro_batch, "seq_len": first.parts["seq_len"], "recompute": args.recompute,
+        "global_batch": args.micro_batch * args.devices, "steps": plan["steps"],
         "finetune": ft, "precision": first.precision,
         "lora": ({"rank": first.rank, "targets": list(first.targets), "trainable_params": first.trainable_params}
                  if ft in ("lora", "qlora") else None),
         "stages": stages, "fits": rec.strategy is not None, "bytes_per_device": kinds,
         "total_bytes_per_device": sum(kinds.values()),
         "recommendation": {"strategy": rec.strategy, "reason": rec.reason,
-                           "rule_of_thumb": getattr(rec, "rule_of_thumb", None)},
+                           "rule_of_thumb": getattr(rec, "rule_of_thumb", None),
+                           "rule_fits": getattr(rec, "rule_fits", None),
+                           "prediction": rec.chosen.prediction if getattr(rec, "chosen", None) else None},
         "price": asdict(plan["price"]) if plan["price"] is not None else None,
     }

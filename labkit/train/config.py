@@ -91,6 +91,12 @@ class TrainConfig:
                            "cut into for the pipeline")
     pp_schedule: str = _f("1f1b", "strategy", "pp, pp_scratch, mesh: pipeline schedule (--schedule is the old "
                           "name)", PP_SCHEDULES)
+    pp_stages_per_rank: int = _f(0, "strategy", "pp, mesh: stages each rank holds under interleaved or zb (2 or "
+                                 "more; 0: 2), torchtitan's virtual stages")
+    pp_first_stage_less_layers: int = _f(0, "strategy", "pp, mesh: layers fewer on the first stage, which holds "
+                                         "the embedding (torchtitan's; Llama 3 took 1)")
+    pp_last_stage_less_layers: int = _f(0, "strategy", "pp, mesh: layers fewer on the last stage, which holds the "
+                                        "output layer and the loss")
     steps: int = _f(20, "data and optimisation", "optimizer steps to train")
     batch_size: int = _f(8, "data and optimisation", "global batch in rows (sequences) per step, summed over "
                          "every rank: micro-batch x grad_accum x data-parallel ranks")
@@ -147,6 +153,14 @@ class TrainConfig:
     return_params: bool = field(default=False, metadata={"group": None, "help": "return the full parameters "
                                                          "(gathered on every rank); not a CLI flag"})
 
+    @property
+    def pp_split(self):
+        """The pipeline's split into stages (:class:`labkit.parallel.pipeline_parallel.Split`)."""
+        from labkit.parallel.pipeline_parallel import Split
+
+        return Split(self.pp_schedule, self.pp_stages_per_rank, self.pp_first_stage_less_layers,
+                     self.pp_last_stage_less_layers)
+
     def __post_init__(self) -> None:
         for name in ("checkpoint_dir", "step_log", "profile_dir", "memory_snapshot"):
             if getattr(self, name) == "":  # an unset variable in a job script: never silently nothing
@@ -156,7 +170,8 @@ class TrainConfig:
             self.strategy = "mesh" if given else "single"
         for name in ("steps", "batch_size", "grad_accum", "keep_last", "microbatches", "replicas", "dp_replicate"):
             positive_count(name, getattr(self, name))
-        for name in ("warmup_steps", "save_every", "tp", "pp", "cp", "ep", "dp_shard"):
+        for name in ("warmup_steps", "save_every", "tp", "pp", "cp", "ep", "dp_shard", "pp_stages_per_rank",
+                     "pp_first_stage_less_layers", "pp_last_stage_less_layers"):
             at_most(name, non_negative_int(name, getattr(self, name)), MAX_COUNT, "past any run")
         non_negative_int("seed", self.seed)
         at_most("lr", positive_number("lr", self.lr), 1e3, "AdamW's steps are about lr each: it diverged long before")

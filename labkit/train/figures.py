@@ -65,14 +65,13 @@ def _pipeline_fields(plan: Plan, ranks: list[dict]) -> dict[str, Any]:
     per_step = [bubble_fraction(evs) for evs in steps_events]
     for r in ranks:
         del r["events"]
-    virtual = pipe.VIRTUAL[cfg.pp_schedule]
-    n_stages = d.pp * virtual
-    stage_params = [sum(pipe.stage_params(plan.model_cfg, n_stages, i) for i in pipe.stage_indices(r, d.pp,
-                                                                                                 cfg.pp_schedule))
-                    for r in range(d.pp)]
+    split = cfg.pp_split
+    virtual, n_stages = split.v, split.n_stages(d.pp)
+    stage_params = [sum(pipe.stage_params(plan.model_cfg, n_stages, i, split.first_less, split.last_less)
+                        for i in split.indices(r, d.pp)) for r in range(d.pp)]
     return {"pp": d.pp, "microbatches": cfg.microbatches, "pp_schedule": cfg.pp_schedule,
             "impl": plan.spec.pp_impl or "torch", "virtual_stages": virtual,
-            "stage_layers": pipe.stage_bounds(plan.model_cfg.n_layer, n_stages),
+            "stage_layers": split.bounds(plan.model_cfg.n_layer, d.pp),
             "bubble_fraction": statistics.median(per_step[1:] or per_step) if per_step else None,
             "bubble_fraction_per_step": per_step, "bubble_formula": (None if cfg.pp_schedule in pipe.ZERO_BUBBLE  # no closed form: measured
                                                       else bubble_formula(d.pp, cfg.microbatches, virtual)),

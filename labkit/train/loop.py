@@ -62,7 +62,7 @@ def make_plan(cfg: TrainConfig, model_cfg: GPTConfig) -> Plan:
         asked["pp"] = cfg.pp or world
     staged = spec.pp_impl is not None or asked.get("pp", 1) > 1
     check_layout(Degrees(**asked), model_cfg, None, cfg.microbatches if staged else None, cfg.pp_schedule,
-                 spec.pp_impl or "torch", cfg.sequence_parallel)  # the model first, then the world size
+                 spec.pp_impl or "torch", cfg.sequence_parallel, split=cfg.pp_split)  # the model, then the world
     degrees = degrees_for(cfg, world)
     dims = ParallelDims(degrees, cfg.device)
     plan = (DeepSpeedPlan if spec.deepspeed else Plan)(cfg, spec, model_cfg, current_device(cfg.device), dims)

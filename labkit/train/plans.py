@@ -49,7 +49,7 @@ class Plan:
         cfg, d = self.cfg, self.dims.degrees
         rows = check_shard(cfg.batch_size, self.dims.data_world)
         check_layout(d, self.model_cfg, rows, cfg.microbatches if self.pipelined else None, cfg.pp_schedule,
-                     self.spec.pp_impl or "torch", cfg.sequence_parallel, cfg.activation_checkpointing)
+                     self.spec.pp_impl or "torch", cfg.sequence_parallel, cfg.activation_checkpointing, cfg.pp_split)
         if self.pipelined and cfg.grad_accum > 1:
             raise ValueError(f"grad_accum={cfg.grad_accum} is not used with a pipeline (pp={d.pp}): its "
                              "microbatches are the accumulation; set grad_accum=1 and microbatches instead")
@@ -68,7 +68,8 @@ class Plan:
             hook = slow_link_hook(cfg.link_gbps, cfg.link_latency_ms)
         opts = Options(activation_checkpointing=cfg.activation_checkpointing, sequence_parallel=cfg.sequence_parallel,
                        tp_impl=spec.tp_impl, dp_impl=spec.dp_impl, pipeline=spec.pp_impl is not None,
-                       pp_impl=spec.pp_impl or "torch", pp_schedule=cfg.pp_schedule, microbatches=cfg.microbatches,
+                       pp_impl=spec.pp_impl or "torch", pp_schedule=cfg.pp_schedule, pp_split=cfg.pp_split,
+                       microbatches=cfg.microbatches,
                        rows=cfg.batch_size // self.dims.data_world, precision=cfg.precision,
                        reshard_after_forward=cfg.reshard_after_forward, cpu_offload=cfg.cpu_offload,
                        fsdp_bf16=cfg.fsdp_bf16, bucket_cap_mb=cfg.bucket_cap_mb, ddp_hook=hook)

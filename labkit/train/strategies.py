@@ -52,6 +52,7 @@ class Strategy:
 
 _SYNC = "sync_each_microbatch"
 _FSDP = ("reshard_after_forward", "cpu_offload", "fsdp_bf16", _SYNC)
+_SPLIT = ("pp_stages_per_rank", "pp_first_stage_less_layers", "pp_last_stage_less_layers")
 _PP = ("pp", "microbatches", "pp_schedule")
 _DS = "the same run on DeepSpeed (deepspeed.initialize with the client AdamW)"
 _MESH_DEGREES = tuple((d, d) for d in DIMS)
@@ -99,14 +100,14 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              degrees=(("ep", "ep"),), options=("ep",), needs_group=True, moe=True),
     Strategy("pp", "pipeline parallel with torch.distributed.pipelining: GPipe, 1F1B or interleaved 1F1B",
              "the layers (one stage per rank)", 0, None, degrees=(("pp", "pp"),), rest="dp_shard", pp_impl="torch",
-             options=_PP, grad_accum=False, needs_group=True),
+             options=_PP + _SPLIT, grad_accum=False, needs_group=True),
     Strategy("pp_scratch", "pipeline parallel by hand: GPipe and 1F1B with paired send/recv",
              "the layers (one stage per rank)", 0, None, degrees=(("pp", "pp"),), rest="dp_shard",
              pp_impl="scratch", options=_PP, grad_accum=False, teaching=True),
     Strategy("mesh", "any layout on one device mesh: --dp-replicate, --dp-shard (FSDP2; 0: the ranks left), --tp, "
              "--pp, --cp, --ep, composed in torchtitan's order", "whatever the degrees split", 3, None,
              degrees=_MESH_DEGREES, rest="dp_shard", zero_means_all=False,
-             options=(*DIMS, "sequence_parallel", "microbatches", "pp_schedule", "reshard_after_forward",
+             options=(*DIMS, "sequence_parallel", "microbatches", "pp_schedule", *_SPLIT, "reshard_after_forward",
                       "fsdp_bf16", _SYNC), needs_group=True, moe=True),
 )}
 # Options some strategies take and the others refuse: every strategy-specific TrainConfig field.
