@@ -4,7 +4,7 @@ A regression run (:mod:`labkit.labs.compare`) holds a lab's metrics against a ba
 
 * **exact**: bytes, counts, formulas, shapes, and on the same machine the losses and parameter
   differences of a seeded CPU run. Any change is a regression. Against a baseline from another
-  machine (another CPU instruction set or thread count, :data:`MACHINE_KEYS`) only what is exact
+  machine (another CPU instruction set, its extensions, or thread count, :data:`MACHINE_KEYS`) only what is exact
   everywhere is held (integers, strings, booleans); its floats, and :data:`FROM_FLOATS` metrics,
   are reported as moved. The same program sums in another order there, and training amplifies it:
   between an AVX2 and an AVX-512 host 619 floats of the ci baseline moved by more than 1e-4, by up
@@ -48,7 +48,7 @@ def close(rel: float = 0.0, abs: float = 0.0) -> Kind:
 
 # What makes a float from one machine differ from another's, though the program is the same: against
 # a baseline from another machine the compare command reports floats rather than holding them.
-MACHINE_KEYS = ("cpu_capability", "threads", "machine")
+MACHINE_KEYS = ("cpu_capability", "cpu_isa", "threads", "machine")
 
 # By any key of a path, in every lab: what is measured in time, or derived from a time.
 ANY_LAB: list[tuple[str, Kind]] = [(p, TIMING) for p in (

@@ -71,6 +71,18 @@ def recorded() -> dict[str, Any]:
     return {name: plain for name, plain in ((n, _plain(v)) for n, v in GLUED.items()) if plain is not _SKIP}
 
 
+def cpu_isa() -> str | None:
+    """The CPU's vector and matrix extensions that pick oneDNN's and MKL's kernels (AVX-512's parts, AMX),
+    from ``/proc/cpuinfo``: two hosts torch calls both "AVX512" (with and without AMX) sum a seeded
+    run's floats in other orders (seen: every lab's losses 1 ulp apart). None off Linux."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return " ".join(sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2", "fma")))) or None
+
+
 def environment() -> dict[str, Any]:
     """What a regression run compares besides the numbers (:mod:`labkit.labs.compare`): versions, and
     what makes the same program's floats differ in their last bits (instruction set, threads)."""
@@ -80,7 +92,8 @@ def environment() -> dict[str, Any]:
     import torch
 
     env = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_isa": cpu_isa(),
+           "threads": torch.get_num_threads()}
     if "deepspeed" in sys.modules:
         env["deepspeed"] = sys.modules["deepspeed"].__version__
     if torch.cuda.is_available():

@@ -77,50 +77,58 @@ def layer_params(shape: ModelShape) -> tuple[float, float]:
     return (shape.n_params - embed - out + tied - experts) / shape.n_layer, experts / shape.n_layer
 
 
-def activation_per_layer(shape: ModelShape, plan) -> int:
-    """Bytes one layer keeps for one micro-batch on one rank under ``plan``."""
-    s = shape.seq_len // plan.cp
-    sp = plan.tp > 1 and plan.sequence_parallel
-    per = activation_bytes_per_layer(s, plan.micro_batch, shape.hidden, shape.heads, plan.tp, sp,
-                                     plan.recompute if plan.recompute != "op" else "op", plan.value_bytes,
+def activation_per_layer(shape: ModelShape, plan, recompute: str | None = None) -> int:
+    """Bytes one layer keeps for one micro-batch on one rank under ``plan`` (or ``recompute`` instead
+    of the plan's)."""
+    recompute = plan.recompute if recompute is None else recompute
+    per = activation_bytes_per_layer(shape.seq_len // plan.cp, plan.micro_batch, shape.hidden, shape.heads,
+                                     plan.tp, plan.tp > 1 and plan.sequence_parallel, recompute, plan.value_bytes,
                                      dropout=shape.family == "gpt", flash_attention=plan.flash,
                                      kv_dim=shape.n_kv_heads * shape.d_head, ffn=shape.ffn,
                                      swiglu=shape.family != "gpt", kv_len=shape.seq_len, fused=plan.fused)
-    if shape.experts_per_token > 1 and plan.recompute != "full":  # k experts' MLPs per token
+    if shape.experts_per_token > 1 and recompute != "full":  # k experts' MLPs per token
         per = math.ceil(per * (1 + 19 * (shape.experts_per_token - 1) / 34))
     return per
+
+
+def _states(shape: ModelShape, plan, n_layers: int, first: bool, last: bool):
+    """Model states of a rank holding ``n_layers`` layers, and the embedding / output layer if
+    ``first`` / ``last`` (module docstring): ZeRO's stage, FSDP under a pipeline as ZeRO-1 plus fp32
+    accumulated gradients, experts split by EP and sharded over the ranks holding the same ones."""
+    dense, experts = layer_params(shape)
+    embed, out = edge_params(shape)
+    holders = plan.dp * plan.cp // plan.replicas  # ranks that shard each weight (one HSDP replica)
+    piped_fsdp = plan.zero == 3 and plan.pp > 1
+    stage = 1 if piped_fsdp else plan.zero
+    mine = (n_layers * dense + (embed if first else 0) + (out if last else 0)) / plan.tp
+    st = model_state_breakdown(max(1, math.ceil(mine)), holders, stage, fp32_grad_accum=piped_fsdp)
+    if experts:
+        ex = model_state_breakdown(max(1, math.ceil(n_layers * experts / (plan.tp * plan.ep))),
+                                   max(1, holders // plan.ep), stage, fp32_grad_accum=piped_fsdp)
+        st = type(st)(*(getattr(st, f) + getattr(ex, f) for f in ("params", "grads", "optimizer", "grad_accum")))
+    return st
 
 
 def rank_memory(shape: ModelShape, plan) -> list[RankMemory]:
     """Every pipeline rank's bytes (module docstring)."""
     v = pm.chunks_per_rank(plan.schedule, plan.chunks)
-    layers = pm.chunk_layers(shape.n_layer, plan.pp * v, plan.first_less, plan.last_less) if plan.pp > 1 else [
-        shape.n_layer]
+    layers = pm.chunk_layers(shape.n_layer, plan.pp * v, plan.first_less, plan.last_less)
     dense, experts = layer_params(shape)
-    embed, out = edge_params(shape)
     per_layer = activation_per_layer(shape, plan)
     tokens = plan.micro_batch * shape.seq_len / plan.cp
-    holders = plan.dp * plan.cp // plan.replicas  # ranks that shard each weight (one HSDP replica)
-    stage = 1 if plan.zero == 3 and plan.pp > 1 else plan.zero
-    m = plan.microbatches
     out_rows = []
     for r in range(plan.pp):
         chunks = pm.rank_chunks(r, plan.pp, v, plan.schedule)
         n = sum(layers[c] for c in chunks)
-        first, last = 0 in chunks, len(layers) - 1 in chunks
-        mine = n * dense / plan.tp + (embed if first else 0) / plan.tp + (out if last else 0) / plan.tp
-        fp32 = plan.zero == 3 and plan.pp > 1  # FSDP2's unsharded fp32 accumulation (module docstring)
-        st = model_state_breakdown(max(1, math.ceil(mine)), holders, stage, fp32_grad_accum=fp32)
-        if experts:
-            ex = model_state_breakdown(max(1, math.ceil(n * experts / (plan.tp * plan.ep))),
-                                       max(1, holders // plan.ep), stage, fp32_grad_accum=fp32)
-            st = type(st)(*(getattr(st, f) + getattr(ex, f) for f in ("params", "grads", "optimizer", "grad_accum")))
-        flight = pm.in_flight(r, plan.pp, m, plan.schedule, layers) if plan.pp > 1 else n * (1 if plan.pp == 1 else m)
-        acts = flight * per_layer
-        if plan.recompute in ("full", "op") and n:
-            acts += activation_per_layer(shape, _plain(plan))
-        if plan.pp > 1 and not plan.free_stage_outputs:
-            acts += flight / max(1, min(layers)) * plan.value_bytes * tokens * shape.hidden / plan.tp
+        last = len(layers) - 1 in chunks
+        st = _states(shape, plan, n, 0 in chunks, last)
+        # without a pipeline one micro-batch at a time: accumulation frees each before the next
+        acts = (pm.in_flight(r, plan.pp, plan.microbatches, plan.schedule, layers) if plan.pp > 1 else n) * per_layer
+        if plan.recompute in ("full", "op") and n:  # backward re-materialises one layer at a time
+            acts += activation_per_layer(shape, plan, "none")
+        if plan.pp > 1 and not plan.free_stage_outputs:  # each in-flight chunk's output, kept for backward
+            outputs = pm.in_flight(r, plan.pp, plan.microbatches, plan.schedule, [1] * len(layers))
+            acts += outputs * plan.value_bytes * tokens * shape.hidden / (plan.tp if plan.sequence_parallel else 1)
         loss = int((12 * tokens * shape.vocab + 4 * plan.value_bytes * tokens * shape.hidden) / plan.tp) if last else 0
         buffers = 0
         if plan.zero == 3 and plan.pp == 1:  # two gathered blocks (one prefetched), one block's gradients
@@ -129,12 +137,6 @@ def rank_memory(shape: ModelShape, plan) -> list[RankMemory]:
         out_rows.append(RankMemory(r, n, st.params, st.grads + st.grad_accum, optimizer, int(acts), loss, buffers,
                                    host))
     return out_rows
-
-
-def _plain(plan):
-    from dataclasses import replace
-
-    return replace(plan, recompute="none")
 
 
 def peak_rank(shape: ModelShape, plan) -> RankMemory:
