@@ -40,7 +40,7 @@ def deepspeed_resume(strategy: str, ckpt_dir: str, marker: str) -> dict:
     optimizer file, and in step 4 move DeepSpeed's tag directory elsewhere, link it back and plant the
     pickle there (``Path.rglob`` does not enter a linked directory, DeepSpeed reads through it with
     ``weights_only=False``); rewrite both manifests; resume (6 and 4 refused, 2 used) and compare with
-    an uninterrupted run."""
+    an uninterrupted run; then resume with another weight decay (refused: the engine restores its own)."""
     model = GPTConfig(block_size=16, n_layer=1)
     base = dict(strategy=strategy, steps=6, lr_schedule="cosine", warmup_steps=1, return_params=True, keep_last=3)
     ref = train(TrainConfig(**base), model)
@@ -58,8 +58,13 @@ def deepspeed_resume(strategy: str, ckpt_dir: str, marker: str) -> dict:
     dist.barrier()
     resumed = train(TrainConfig(**base, checkpoint_dir=ckpt_dir, save_every=2), model)
     same = all(ref["params"][k].equal(resumed["params"][k]) for k in ref["params"])
+    try:  # the engine would load the saved weight decay over this one: refused before it loads
+        train(TrainConfig(**base, checkpoint_dir=ckpt_dir, save_every=2, weight_decay=0.1), model)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
     return {"start_step": resumed["start_step"], "notes": resumed["resume_notes"], "bit_exact": same,
-            "loss_equal": ref["loss"] == resumed["loss"]}
+            "loss_equal": ref["loss"] == resumed["loss"], "refused": refused}
 
 
 def readers_load(ckpt_dir: str) -> int:

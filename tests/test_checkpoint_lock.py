@@ -103,7 +103,8 @@ def test_the_fault_injector_kills_workers_in_sessions_of_their_own():
 
 def test_readers_load_complete_steps_while_the_writer_saves_and_prunes(tmp_path):
     """A writer saving and pruning at keep_last=1, readers loading in a loop beside it: no reader
-    fails, and every load is one whole step (its tensor holds its own step number)."""
+    fails, every load is one whole step (its tensor holds its own step number), and a load that met a
+    step retired under it and retried says nothing (issue 43: DCP's tracebacks filled stderr)."""
     import json
 
     import torch
@@ -129,17 +130,19 @@ def test_readers_load_complete_steps_while_the_writer_saves_and_prunes(tmp_path)
     """)
     with Checkpointer(tmp_path, keep_last=1) as writer:
         writer.save(0, {"w": torch.full((256,), 0.0)})
-        readers = [subprocess.Popen([sys.executable, "-c", reader], stdout=subprocess.PIPE, text=True)
-                   for _ in range(3)]
+        readers = [subprocess.Popen([sys.executable, "-c", reader], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True) for _ in range(3)]
         try:
             assert all(r.stdout.readline().strip() == "ready" for r in readers)  # each has loaded once
             for step in range(1, 201):
                 writer.save(step, {"w": torch.full((256,), float(step))})
         finally:
             (tmp_path / "stop").touch()
-        results = [json.loads(r.communicate(timeout=120)[0]) for r in readers]
-    for r in results:
+        outputs = [r.communicate(timeout=120) for r in readers]
+    for out, err in outputs:
+        r = json.loads(out)
         assert r["n_failures"] == 0 and r["wrong"] == 0 and r["ok"] > 0, r
+        assert err == "", err[-2000:]
 
 
 def test_a_reader_on_two_ranks_loads_one_step_when_the_ranks_listed_at_different_moments(tmp_path):

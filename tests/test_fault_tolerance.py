@@ -326,7 +326,7 @@ def test_a_checkpoint_of_another_run_is_refused(tmp_path):
     train(cfg, GPTConfig(block_size=16, n_layer=1))
     with pytest.raises(ValueError, match="saved with seed=0 but this run has seed=1"):
         train(TrainConfig(steps=3, seed=1, checkpoint_dir=str(tmp_path)), GPTConfig(block_size=16, n_layer=1))
-    with pytest.raises(ValueError, match=r"saved with model=\{.*'n_layer': 1.* but this run has model=\{.*'n_layer': 2"):
+    with pytest.raises(ValueError, match=r"saved with a model of n_layer=1 but this run has n_layer=2: its para"):
         train(TrainConfig(steps=3, checkpoint_dir=str(tmp_path)), GPTConfig(block_size=16, n_layer=2))
     assert Checkpointer(tmp_path, readonly=True).steps() == [2]  # refused, not skipped and overwritten
     with pytest.raises(ValueError, match="already holds checkpoints up to step 2; with resume=False"):
@@ -452,16 +452,45 @@ def test_what_cannot_be_resharded_is_refused_up_front():
     assert check_compatible(saved, {**saved}) == []  # as it was saved: fine
 
 
+def test_deepspeed_on_a_mesh_checkpoint_is_told_it_cannot_read_dcp():
+    """Issue 43: zero2 on a mesh checkpoint was told the mesh checkpoint cannot reshard (it can: the
+    run's DeepSpeed engine cannot read DCP's format)."""
+    from labkit.fault_tolerance.resume import check_compatible
+
+    run = {"seed": 0, "batch_size": 8, "model": {"n_layer": 2}}
+    saved = {**run, "strategy": "mesh", "world_size": 2, "layout": "dp_shard=2", "reshardable": True}
+    with pytest.raises(ValueError) as refused:
+        check_compatible(saved, {**run, "strategy": "zero2", "world_size": 2, "layout": "dp_shard=2",
+                                 "reshardable": False})
+    assert str(refused.value) == ("strategy='zero2' cannot resume a mesh checkpoint: that one is in DCP's format, "
+                                  "and DeepSpeed loads only checkpoints it saved itself; resume with a strategy that "
+                                  "reads DCP ('mesh', 'fsdp', ...) or start zero2 in a new checkpoint_dir")
+
+
+@pytest.mark.parametrize("key, saved, asked", [("weight_decay", 0.0, 0.1), ("warmup_steps", 2, 4), ("lr", 3e-3, 1e-3)])
+def test_deepspeed_refuses_what_its_engine_would_restore_over_the_run(key, saved, asked):
+    """DeepSpeed's engine loads its optimizer's hyperparameters and its schedule itself: a change there
+    would be lost silently, so it is refused before the engine loads, naming the setting."""
+    from labkit.fault_tolerance.resume import check_engine
+
+    check_engine({key: saved}, {key: saved})
+    with pytest.raises(ValueError, match=f"^{key}={asked!r} differs from the checkpoint's {saved!r}, and DeepSpeed "
+                                         f"restores its own optimizer and schedule: resume with {key}={saved!r}"):
+        check_engine({key: saved}, {key: asked})
+    check_engine({}, {key: asked})  # a checkpoint that did not record it resumes as before
+
+
 def test_deepspeed_checkpoints_go_through_the_same_checkpointer(tmp_path):
     """ZeRO-3 saves with engine.save_checkpoint into the atomic, checksummed layout; a planted pickle
     in its optimizer file (DeepSpeed loads with weights_only=False) is refused before DeepSpeed sees it,
     also when it sits behind a symbolic link the pickle scan would not enter, and the resume from the
-    step before is bit-exact."""
+    step before is bit-exact; a changed weight decay, which the engine would load over, is refused."""
     out = launch(deepspeed_resume, "zero3", str(tmp_path / "ck"), str(tmp_path / "pwned"), world_size=2,
                  quiet=True)[0]
     assert out["start_step"] == 2 and "skipped step 6: refused to load" in out["notes"][0]
     assert "skipped step 4: engine/ckpt: a symbolic link" in out["notes"][1]
     assert out["bit_exact"] and out["loss_equal"] and not (tmp_path / "pwned").exists()
+    assert out["refused"].startswith("weight_decay=0.1 differs from the checkpoint's 0.0, and DeepSpeed restores")
 
 
 def test_checkpoint_benchmark_measures_a_restorable_state(tmp_path):

@@ -1,7 +1,9 @@
-"""A resume meets what changed: a new learning rate is applied and noted, another precision or
-schedule is refused naming it; empty and unwritable output paths are refused before the first step."""
+"""A resume meets what changed: a new learning rate, weight decay or warmup is applied and noted,
+another precision, schedule, corpus or model is refused naming it; empty and unwritable output paths
+are refused before the first step."""
 from __future__ import annotations
 
+import json
 import os
 from unittest import mock
 
@@ -29,6 +31,90 @@ def test_a_resume_applies_a_new_learning_rate_and_refuses_another_schedule(tmp_p
     assert any("lr changed from 0.003 to 0.001 at resume: applied" in n for n in more["resume_notes"])
     with pytest.raises(ValueError, match="lr_schedule='constant' but this run has lr_schedule='cosine'"):
         train(TrainConfig(**{**base, "steps": 8}, lr=1e-3, lr_schedule="cosine"), MODEL)
+
+
+def test_a_resume_applies_a_new_weight_decay_and_notes_it(tmp_path):
+    """Issue 43: the optimizer state brought the saved weight decay back, silently."""
+    runs = {}
+    for wd in (0.0, 0.5):
+        base = dict(steps=2, batch_size=4, checkpoint_dir=str(tmp_path / str(wd)), seed=0)
+        train(TrainConfig(**base), MODEL)
+        runs[wd] = train(TrainConfig(**{**base, "steps": 4}, weight_decay=wd), MODEL)
+    assert runs[0.5]["resume_notes"] == ["weight_decay changed from 0 to 0.5 at resume: applied to every "
+                                         "parameter group"]
+    assert runs[0.0]["resume_notes"] == []
+    assert runs[0.5]["loss"][:3] == runs[0.0]["loss"][:3]  # the update of step 2 is the first to decay
+    assert abs(runs[0.5]["loss"][3] - runs[0.0]["loss"][3]) > 1e-5
+
+
+@pytest.mark.parametrize("saved, asked, note", [
+    # the schedule is a function of the global step: step 2 takes the new curve's value
+    (dict(warmup_steps=4), dict(warmup_steps=8), "warmup_steps changed from 4 to 8 at resume: applied, the "
+     "schedule continues from step 2 on the new curve (lr 0.00225 -> 0.001125)"),
+    (dict(), dict(warmup_steps=4), "warmup_steps changed from 0 to 4 at resume: applied, the schedule continues "
+     "from step 2 on the new curve (lr 0.003 -> 0.00225)"),  # no scheduler was saved
+    (dict(warmup_steps=4), dict(), "warmup_steps changed from 4 to 0 at resume: applied, the schedule continues "
+     "from step 2 on the new curve (lr 0.00225 -> 0.003)"),  # none now
+    (dict(lr_schedule="cosine"), dict(lr_schedule="cosine", steps=6), "steps changed from 2 to 6 at resume: "
+     "applied, the schedule continues from step 2 on the new curve (lr 0.0003 -> 0.002325)"),  # cosine's length
+    (dict(), dict(grad_clip=0.5), "grad_clip changed from 1 to 0.5 at resume: applied from step 2"),
+])
+def test_a_resume_with_another_warmup_length_or_clipping_applies_it_with_a_note(tmp_path, saved, asked, note):
+    base = dict(batch_size=4, checkpoint_dir=str(tmp_path), seed=0)
+    train(TrainConfig(**base, steps=2, **saved), MODEL)
+    again = train(TrainConfig(**base, **{"steps": 4, **asked}), MODEL)
+    assert again["start_step"] == 2 and again["resume_notes"] == [note]
+
+
+def test_a_resume_on_another_corpus_or_model_is_refused_in_one_line(tmp_path, capsys):
+    from labkit.train.cli import main
+
+    (tmp_path / "a.txt").write_bytes(b"to be or not to be, that is the question. " * 20)
+    (tmp_path / "b.txt").write_bytes(b"to be or not to be, that is the question! " * 20)
+    (tmp_path / "a_copy.txt").write_bytes((tmp_path / "a.txt").read_bytes())
+    run = ["--steps", "2", "--batch-size", "4", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
+           "--block-size", "16", "--dropout", "0.1", "--checkpoint-dir", str(tmp_path / "ck")]
+    assert main([*run, "--corpus", str(tmp_path / "a.txt")]) == 0
+    for argv, message in [
+        (["--corpus", str(tmp_path / "b.txt")], f"saved with --corpus='{tmp_path / 'a.txt'}' (840 bytes, sha256 "),
+        ([], "but this run has --corpus=None ("),  # the shipped text
+        (["--corpus", str(tmp_path / "a.txt"), "--n-layer", "2"],
+         "saved with a model of --n-layer=1 but this run has --n-layer=2: its parameters would not fit"),
+    ]:
+        with pytest.raises(SystemExit) as stop:
+            main([*run, "--steps", "4", *argv])
+        err = capsys.readouterr().err
+        line = next((x for x in err.splitlines() if message in x), "")  # one line: argparse's error, whole
+        assert stop.value.code == 2 and "error: " in line and line.endswith("checkpoint_dir"), err[-1500:]
+        assert "Traceback" not in err
+    # the same bytes elsewhere are the same data order: resumed, with a note
+    out = tmp_path / "m.json"
+    assert main([*run, "--steps", "4", "--corpus", str(tmp_path / "a_copy.txt"), "--metrics", str(out)]) == 0
+    resumed = json.loads(out.read_text())
+    assert len(resumed["resume_notes"]) == 1, resumed["resume_notes"]
+    assert resumed["resume_notes"][0].startswith(f"corpus read from '{tmp_path / 'a_copy.txt'}', saved from "
+                                                 f"'{tmp_path / 'a.txt'}': the same bytes")
+    model = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, dropout=0.1)
+    whole = train(TrainConfig(steps=4, batch_size=4), model, corpus=str(tmp_path / "a.txt"))
+    assert resumed["loss"] == whole["loss"]  # a resume as any other: RNG states and all, bit for bit
+
+
+def test_a_checkpoint_from_before_the_new_settings_resumes_as_before(tmp_path, monkeypatch):
+    """Checkpoints whose meta lacks weight_decay, warmup_steps, steps, grad_clip and corpus still resume."""
+    from labkit.train import resumable
+
+    real = resumable.Resumable.__init__
+    new = ("weight_decay", "grad_clip", "warmup_steps", "steps", "corpus")
+
+    def old_meta(self, cfg, meta, *args, **kwargs):
+        real(self, cfg, {k: v for k, v in meta.items() if k not in new}, *args, **kwargs)
+
+    base = dict(batch_size=4, checkpoint_dir=str(tmp_path), seed=0)
+    with monkeypatch.context() as m:
+        m.setattr(resumable.Resumable, "__init__", old_meta)
+        train(TrainConfig(**base, steps=2), MODEL)
+    again = train(TrainConfig(**base, steps=4, weight_decay=0.5, warmup_steps=1), MODEL)
+    assert again["start_step"] == 2 and again["resume_notes"] == []
 
 
 def test_a_resume_at_another_precision_is_refused_naming_it(tmp_path):

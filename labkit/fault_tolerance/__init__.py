@@ -7,6 +7,7 @@
 * :mod:`labkit.fault_tolerance.loading`: verifying and reading a checkpoint back, every rank agreeing.
 * :mod:`labkit.fault_tolerance.lock`: one writer per directory.
 * :mod:`labkit.fault_tolerance.resume`: the training state a bit-exact resume needs, saved and restored.
+* :mod:`labkit.fault_tolerance.changes`: what a resume meets that changed: refused in one line, or applied with a note.
 * :mod:`labkit.fault_tolerance.rng`: every RNG state of a rank.
 * :mod:`labkit.fault_tolerance.preemption`: SIGTERM/SIGUSR1 to "finish the step, save, exit 75".
 * :mod:`labkit.fault_tolerance.step_log`: one JSON line per event, safe against SIGKILL.

@@ -152,14 +152,20 @@ def read_metadata(path: Path, files: set[str]) -> Metadata:
 
 
 class SafeReader(dcp.FileSystemReader):
+    """DCP's reader with the metadata read (and checked) once, here, before DCP's load starts: when the
+    file is gone (a writer's retention removed the step a reader was about to load, which
+    ``load_latest`` then retries), DCP would log a traceback for its read and another for its per-rank
+    fallback before failing; raised here, it is one ordinary error for the caller to handle."""
+
     def __init__(self, path: Path, files: set[str]) -> None:
         super().__init__(path)
         self.files = files
+        self.metadata = read_metadata(Path(path), files)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        md = read_metadata(Path(self.path), self.files)
+        md = self.metadata
         md.storage_meta = md.storage_meta or StorageMeta()
         md.storage_meta.load_id = self.load_id
         return md

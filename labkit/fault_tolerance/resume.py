@@ -9,7 +9,8 @@ Python, NumPy and torch (CPU and CUDA) per rank, and the settings that define th
 DeepSpeed engine saves and loads itself (``engine.save_checkpoint``), scheduler included.
 
 torchtitan stores the world size for the same reason this module refuses a silent mismatch: a
-resume that changes seed, global batch or model is a different run.
+resume that changes seed, global batch, corpus or model is a different run. What a resume meets that
+changed is refused in one line or applied with a note (:mod:`labkit.fault_tolerance.changes`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from labkit.fault_tolerance.changes import (  # noqa: F401 - part of this module's names
+    MUST_MATCH,
+    MUST_MATCH_IF_SAVED,
+    apply_changes,
+    check_compatible,
+    check_corpus,
+    check_engine,
+    new_learning_rate,
+)
 from labkit.fault_tolerance.checkpointer import LOCAL, Checkpointer
 from labkit.fault_tolerance.rng import rng_state, set_rng_state
 
@@ -24,11 +34,6 @@ if TYPE_CHECKING:
     import torch.nn as nn
     from deepspeed import DeepSpeedEngine
     from torch.optim.lr_scheduler import LRScheduler
-
-MUST_MATCH = ("seed", "batch_size", "model")  # they define the data order and the parameters
-# and these the saved optimizer's, scaler's and scheduler's state: a resume with others is refused
-# (checkpoints from before they were recorded resume as before)
-MUST_MATCH_IF_SAVED = ("precision", "lr_schedule")
 
 
 def _unwrap(model):
@@ -67,44 +72,6 @@ def training_state(step: int, meta: dict, losses: list[float],
     return state
 
 
-def check_compatible(saved: dict, meta: dict) -> list[str]:
-    """ValueError when ``saved`` belongs to a different run; notes when strategy or world size changed.
-
-    ``meta["reshardable"]`` is False for a checkpoint that only loads as it was written, on the strategy,
-    world size and ``meta["layout"]`` that wrote it (DeepSpeed's own format; tensor parallelism, whose
-    fused QKV rows are stored grouped by rank)."""
-    for key in MUST_MATCH + tuple(k for k in MUST_MATCH_IF_SAVED if k in saved):
-        if saved.get(key) != meta.get(key):
-            raise ValueError(f"the checkpoint was saved with {key}={saved.get(key)!r} but this run has "
-                             f"{key}={meta.get(key)!r}: resuming would be a different run; set {key} back "
-                             "or start in a new checkpoint_dir")
-    notes = []
-    moved = (saved["strategy"], saved["world_size"], saved.get("layout")) != (
-        meta["strategy"], meta["world_size"], meta.get("layout"))
-    if moved and not (saved.get("reshardable", True) and meta.get("reshardable", True)):
-        raise ValueError(f"a {saved['strategy']} checkpoint ({saved.get('layout') or saved['world_size']} ranks) "
-                         f"resumes only as it was saved, not as {meta['strategy']} on {meta['world_size']} ranks "
-                         f"({meta.get('layout', '')}); valid: strategy={saved['strategy']!r} with "
-                         f"{saved['world_size']} ranks" + (f" and {saved['layout']}" if saved.get("layout") else ""))
-    if moved:
-        notes.append(f"resharded from {saved['strategy']} x{saved['world_size']} to {meta['strategy']} "
-                     f"x{meta['world_size']}: per-rank RNG streams restart (they belong to the old ranks)")
-    return notes
-
-
-def new_learning_rate(saved: float, new: float, optimizer, scheduler, engine) -> str:
-    """Apply a learning rate changed at resume: the schedule continues at the same point of its curve,
-    scaled to the new peak. The note says what was done (the metrics record it)."""
-    if engine is not None or optimizer is None:
-        raise ValueError(f"lr={new!r} differs from the checkpoint's {saved!r}, and this strategy's optimizer "
-                         "restores its own learning rate: resume with --lr set back to the saved value")
-    for group in optimizer.param_groups:
-        group["lr"] = group["lr"] * new / saved
-    if scheduler is not None:
-        scheduler.base_lrs = [b * new / saved for b in scheduler.base_lrs]
-    return f"lr changed from {saved:g} to {new:g} at resume: applied, the schedule scaled to it"
-
-
 def restore(ckpt: Checkpointer, meta: dict,
             model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
             scheduler: LRScheduler | None = None, engine: DeepSpeedEngine | None = None,
@@ -123,9 +90,13 @@ def restore(ckpt: Checkpointer, meta: dict,
     found: dict = {}
 
     def check(saved: dict) -> bool:  # True: another layout saved it
-        found.update(saved["meta"])
+        found.clear()
+        found.update(saved["meta"], had_scheduler="scheduler" in saved)
         moved = check_compatible(saved["meta"], meta)
-        notes.extend(moved)
+        data = check_corpus(saved["meta"], meta)
+        if engine is not None:  # before it loads: what it would restore over this run's settings
+            check_engine(saved["meta"], meta)
+        notes.extend(moved + data)
         return bool(moved)
 
     got = ckpt.load_latest(template, check=check,
@@ -141,12 +112,13 @@ def restore(ckpt: Checkpointer, meta: dict,
         back = {v: k for k, v in (aliases or {}).items()}
         set_state_dict(_unwrap(model), optimizer, model_state_dict=state["model"],
                        optim_state_dict=_renamed(state["optim"], back))
-        if scheduler is not None:
+        if scheduler is not None and found["had_scheduler"]:
             scheduler.load_state_dict(state["scheduler"])
+        elif scheduler is not None:  # warmup added to a run saved without a schedule: at the saved lr, at step
+            scheduler.base_lrs, scheduler.last_epoch = [g["lr"] for g in optimizer.param_groups], step
         if scaler is not None:
             scaler.load_state_dict(state["scaler"])
-    if "lr" in found and "lr" in meta and found["lr"] != meta["lr"]:
-        notes.append(new_learning_rate(found["lr"], meta["lr"], optimizer, scheduler, engine))
+    notes += apply_changes(found, meta, step, optimizer, scheduler, engine)
     if state[LOCAL] is not None:
         set_rng_state(state[LOCAL]["rng"])
     notes += [f"skipped step {s}: {why}" for s, why in ckpt.last_load.skipped]

@@ -126,7 +126,8 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     plan = make_plan(cfg, model_cfg)
     dims, device = plan.dims, plan.device
     rank, world = dims.rank, dims.world
-    data = train_val_split(load_corpus(corpus)).train
+    raw = load_corpus(corpus)
+    data = train_val_split(raw).train
     if int(data.max()) >= model_cfg.vocab_size:  # the corpus is bytes: every one must be a token
         raise ValueError(f"vocab_size={model_cfg.vocab_size} is too small for this corpus, whose bytes go up to "
                          f"{int(data.max())}: valid: vocab_size >= {int(data.max()) + 1} (256 holds any bytes)")
@@ -143,7 +144,14 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     plan.attach(optimizer, lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, cfg.steps), plan.make_scaler())
     meta = {"strategy": cfg.strategy, "world_size": world, "seed": cfg.seed, "batch_size": cfg.batch_size,
             "model": model_cfg.to_dict(), "reshardable": plan.spec.reshardable, "layout": dims.degrees.label(),
-            "precision": cfg.precision, "lr_schedule": cfg.lr_schedule, "lr": cfg.lr}
+            "precision": cfg.precision, "lr_schedule": cfg.lr_schedule, "lr": cfg.lr,
+            # the rest of what shapes the trajectory: a resume refuses or applies (and notes) each change
+            "weight_decay": cfg.weight_decay, "grad_clip": cfg.grad_clip, "warmup_steps": cfg.warmup_steps,
+            "steps": cfg.steps}
+    if cfg.checkpoint_dir:  # the data source, by its bytes (hashed only by runs that checkpoint)
+        from labkit.fault_tolerance.changes import corpus_record
+
+        meta["corpus"] = corpus_record(corpus, raw)
     engine = plan.engine
     show = cfg.progress if cfg.progress is not None else progress.wanted(cfg.steps)  # before the lock is taken
     ft = Resumable(cfg, meta, None if engine else plan.module, None if engine else plan.optimizer,
