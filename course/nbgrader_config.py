@@ -10,6 +10,7 @@ from nbgrader.preprocessors import GetGrades
 try:
     from labkit.labs.collect import OwnedCollect
     from labkit.labs.feedback import FeedbackWithoutHiddenTests
+    from labkit.labs.sandbox import SandboxedKernelManager
     from labkit.labs.student_labs import CODE_STUB, TEXT_STUB
     from labkit.labs.submit import WholeSubmit
 except ImportError as e:  # traitlets would log it and go on without this file: feedback with hidden tests
@@ -32,6 +33,10 @@ c.ExchangeFactory.collect = OwnedCollect
 # cannot read; this submit waits for the save, and refuses what does not read whole (labkit/labs/submit.py).
 c.ExchangeFactory.submit = WholeSubmit
 
+# A submission is a student's code: autograde runs each in a fresh kernel inside a sandbox (bubblewrap)
+# that sees a copy of that submission and nothing of the course, the gradebook, the exchange or the
+# grader's home, has no network and no token, and leaves no process behind (labkit/labs/sandbox.py).
+c.Execute.kernel_manager_class = SandboxedKernelManager
 # Autograding runs each submission in a fresh kernel; a cell that runs longer than this is
 # interrupted and graded as failed, so an infinite loop costs one timeout, not the grading run.
 # The slowest cell, data_parallel's (2 ranks over gloo), takes seconds.

@@ -29,6 +29,18 @@ def lab_metrics() -> dict:
     return {name: json.loads(path.read_text()) for name, path in zip(names, run_labs(names, "ci", OUT_DIR, jobs=2))}
 
 
+@pytest.fixture(scope="session")
+def grading_sandbox() -> None:
+    """Autograde runs every submission in bubblewrap (labkit/labs/sandbox.py): without it, it refuses."""
+    from labkit.labs.sandbox import SandboxedKernelManager, SandboxRefused, check_bwrap
+
+    try:
+        check_bwrap(SandboxedKernelManager().bwrap)
+    except SandboxRefused as e:
+        pytest.fail(f"{e}. .ci/run installs Debian's `bubblewrap`; on another machine install it with your "
+                    "package manager")
+
+
 @pytest.fixture(scope="module")
 def browser():
     if not Path(CHROMIUM).exists():

@@ -68,17 +68,9 @@ def _split(labs: list[str]) -> list[list[str]]:
 
 
 def _autograde(course: Path, *args: str) -> None:
-    """``nbgrader autograde ARGS``, once more when a kernel lost the race for its ports: the client
-    picks free ports and the kernel binds them moments later, and with labs, ranks and the other
-    nbgrader starting processes here one was taken in between (seen in CI: "Address already in use",
-    the kernel dead, the run stopped). The second run grades what the first left; what it graded is
-    skipped, as nbgrader does without --force."""
-    try:
-        nbgrader(course, "autograde", *args)
-    except RuntimeError as e:
-        if "Address already in use" not in str(e):
-            raise
-        nbgrader(course, "autograde", *args)
+    """``nbgrader autograde ARGS``. Each kernel runs in the course's sandbox and talks to nbgrader over
+    unix sockets (labkit/labs/sandbox.py), so two graders side by side cannot race for a port."""
+    nbgrader(course, "autograde", *args)
 
 
 def _grade(course: Path, labs: list[str]) -> dict:
@@ -109,7 +101,7 @@ def _grade(course: Path, labs: list[str]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def graded(tmp_path_factory) -> dict:
+def graded(tmp_path_factory, grading_sandbox) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     from nbgrader.api import Gradebook

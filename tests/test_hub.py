@@ -33,7 +33,7 @@ import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from labkit.core.ports import listen_port
-from labkit.labs.hub_spawner import cgroup_paths
+from labkit.labs.hub_limits import cgroup_paths, cgroup_v2
 from labkit.labs.student_labs import launch_url
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,7 +78,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def hub(tmp_path_factory):
     if os.geteuid() != 0 or not all(shutil.which(t) for t in ("useradd", "runuser", "chpasswd")):
         pytest.skip("the hub makes unix users and starts servers as them: it needs root (CI runs as root)")
-    from labkit.labs.hub import prepare_state
+    from labkit.labs.hub_state import prepare_state
 
     shutil.rmtree(SHOTS, ignore_errors=True)  # this run's steps only
     SHOTS.mkdir(parents=True)
@@ -116,6 +116,7 @@ def hub(tmp_path_factory):
                     except OSError:
                         time.sleep(0.1)
         subprocess.run(["groupdel", GROUP], capture_output=True)
+        subprocess.run(["umount", str(state / "exchange")], capture_output=True)  # its own file system
         shutil.rmtree(state, ignore_errors=True)
 
 
@@ -329,7 +330,7 @@ def _answers(hub) -> tuple[str, str]:
     return right, wrong
 
 
-def test_a_term_on_the_hub(hub, browser):
+def test_a_term_on_the_hub(hub, browser, grading_sandbox):
     state, course = hub["state"], hub["state"] / "course"
     home = {u: Path(pwd.getpwnam(u).pw_dir) for u in (TEACH, ALICE, BOB)}
     # the instructor, in a terminal of theirs: the exercises from the labs, then the release
@@ -357,9 +358,18 @@ def test_a_term_on_the_hub(hub, browser):
             limit = next(f for f in (Path(f"/sys/fs/cgroup/labkit-hub/{u}/memory.max"),
                                      Path(f"/sys/fs/cgroup/memory/labkit-hub/{u}/memory.limit_in_bytes")) if f.exists())
             assert int(limit.read_text()) == 4 << 30, limit
+            pids = next(f for f in (Path(f"/sys/fs/cgroup/labkit-hub/{u}/pids.max"),
+                                    Path(f"/sys/fs/cgroup/pids/labkit-hub/{u}/pids.max")) if f.exists())
+            assert int(pids.read_text()) == 2048, pids
+            if not cgroup_v2():  # in its devices cgroup: the pool's other GPUs refused at open() (test_hub_safety)
+                assert f"devices:/labkit-hub/{u}" in groups, groups
         else:  # a container without a writable cgroup: said, not silently dropped
             assert f"{u}'s server runs without CPU and memory limits" in hub["log"].read_text(), groups
 
+    # the hub's database is root's alone; the exchange is a file system of its own (what students write
+    # there cannot fill the database's disk)
+    assert (state / "jupyterhub.sqlite").stat().st_mode & 0o077 == 0
+    assert os.path.ismount(state / "exchange") or "could not be mounted" in hub["log"].read_text()
     inbound = state / "exchange" / "training-at-scale" / "inbound"
     (alices,) = [p for p in inbound.iterdir() if p.name.startswith(ALICE)]
     attempts = {

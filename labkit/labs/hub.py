@@ -12,14 +12,13 @@ student's work their own; stopping and starting the hub loses nothing.
     python -m labkit.labs.hub add --role student alice bob
     python -m labkit.labs.hub serve --port 8000 --gpus all       (make hub HUB_OPTS="--gpus all")
 
-Who may log in and what each server gets: :mod:`labkit.labs.hub_spawner`; the proxy and the
+The state folder and the roster: :mod:`labkit.labs.hub_state`; who may log in and what each server
+gets: :mod:`labkit.labs.hub_spawner`; the proxy and the
 users' Python: :mod:`labkit.labs.hub_install`.
 """
 from __future__ import annotations
 
-import grp
 import ipaddress
-import json
 import os
 import re
 import shutil
@@ -30,16 +29,12 @@ from pathlib import Path
 
 from labkit.core.checks import brief, output_dir
 from labkit.core.cli import ArgumentParser
-from labkit.core.files import write_whole
 from labkit.core.ports import is_free, listen_port
 from labkit.labs.hub_install import PROXY, install, readable_by_all, server_paths, users_python
-from labkit.labs.runner import LABS_DIR, ROOT
+from labkit.labs.hub_state import ROLES, _root_only, _save_settings, _settings, add_users, prepare_state
+from labkit.labs.runner import ROOT
 
 CONFIG_FILE = ROOT / "cluster" / "hub" / "jupyterhub_config.py"
-COURSE_ID = "training-at-scale"
-STUDENT_SETTINGS = ROOT / "cluster" / "jupyterhub" / "student"  # Jupyter settings of a student's server
-GROUP = "labkit-instructors"
-ROLES = ("student", "instructor")
 
 
 def terminal_env(state: Path, user: str) -> dict[str, str]:
@@ -52,71 +47,6 @@ def terminal_env(state: Path, user: str) -> dict[str, str]:
     paths = server_paths(users_python())
     return {"HOME": str(home), "USER": user, **server_env(Path(state), role_of(Path(state), user) or "student", home,
                                                          **{k: v for k, v in paths.items() if k != "python"})}
-
-
-def _settings(state: Path) -> dict:
-    path = state / "hub.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _save_settings(state: Path, settings: dict) -> None:
-    write_whole(state / "hub.json", json.dumps(settings, indent=1))
-
-
-def prepare_state(state: Path, group: str = GROUP, course_id: str = COURSE_ID) -> dict:
-    """The state folder, its exchange, course directory and each role's Jupyter settings."""
-    state.mkdir(parents=True, exist_ok=True)
-    state.chmod(0o755)
-    settings = {"course": course_id, "group": group, **_settings(state)}
-    _save_settings(state, settings)
-    subprocess.run(["groupadd", "-f", settings["group"]], check=True, capture_output=True)
-    gid = grp.getgrnam(settings["group"]).gr_gid
-    exchange, course = state / "exchange", state / "course"
-    exchange.mkdir(exist_ok=True)
-    exchange.chmod(0o1777)  # sticky: nobody renames or removes what another person put there
-    course.mkdir(exist_ok=True)
-    os.chown(course, 0, gid)
-    course.chmod(0o2770)  # the instructors' group, inherited by what they write (their umask is 002)
-    config = course / "nbgrader_config.py"
-    if not config.exists():
-        shutil.copyfile(ROOT / "course" / "nbgrader_config.py", config)
-        os.chown(config, 0, gid)
-        config.chmod(0o664)
-    for role in ROLES:
-        folder = state / "jupyter" / role
-        folder.mkdir(parents=True, exist_ok=True)
-        lines = [f"c.CourseDirectory.course_id = {settings['course']!r}", f"c.Exchange.root = {str(exchange)!r}",
-                 'c.ExchangeFactory.collect = "labkit.labs.collect.OwnedCollect"',  # the formgrader's collect too
-                 'c.ExchangeFactory.submit = "labkit.labs.submit.WholeSubmit"']  # the Assignments panel's submit
-        if role == "instructor":
-            lines.append(f"c.CourseDirectory.root = {str(course)!r}")
-        (folder / "nbgrader_config.py").write_text("c = get_config()  # noqa: F821\n" + "\n".join(lines) + "\n")
-        if role == "student":  # no formgrader, no assignment creation: the Kubernetes image's settings too
-            shutil.copytree(STUDENT_SETTINGS, folder, dirs_exist_ok=True)
-    from labkit.labs.student_labs import write_student_labs
-
-    write_student_labs(state / "student-labs")
-    return settings
-
-
-def add_users(state: Path, role: str, names: list[str], password: str | None = None) -> None:
-    """Make each name a unix user (if it is not one), give it a private home, and enrol it."""
-    settings = prepare_state(state) if not (state / "hub.json").is_file() else _settings(state)
-    from labkit.labs.hub_spawner import home_for, roster
-
-    r = roster(state)
-    for name in names:
-        if subprocess.run(["id", "-u", name], capture_output=True).returncode != 0:
-            subprocess.run(["useradd", "--create-home", "--comment", "labkit hub user", name], check=True,
-                           capture_output=True)
-        if password is not None:
-            subprocess.run(["chpasswd"], input=f"{name}:{password}\n", text=True, check=True, capture_output=True)
-        if role == "instructor":
-            subprocess.run(["usermod", "-aG", settings["group"], name], check=True, capture_output=True)
-        key = f"{role}s"
-        r[key] = sorted({*r[key], name})
-        (state / "roster.json").write_text(json.dumps(r, indent=1))
-        home_for(name, role, state, LABS_DIR)  # the labs (and an instructor's ~/course) from the first day
 
 
 def _running_hub(state: Path) -> int | None:
@@ -177,6 +107,7 @@ def configure(c, state: Path) -> None:
     c.CourseSpawner.gpus = s["gpus"]
     c.CourseSpawner.server_cpus = s["cpus"]
     c.CourseSpawner.server_memory = s["memory"]
+    c.CourseSpawner.server_pids = s.get("pids", 2048)
     c.JupyterHub.cleanup_servers = False  # a restarted hub finds the servers running, kernels and all
     c.Spawner.default_url = "/lab"
     c.Spawner.notebook_dir = "~"
@@ -222,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--gpus", default="all", help="the pool, one per server: all, none, or 0,1,... / MIG-UUIDs")
     srv.add_argument("--cpus", type=float, default=2.0, help="cores per server")
     srv.add_argument("--memory", default="8G", help="memory per server, e.g. 8G")
+    srv.add_argument("--pids", type=int, default=2048, help="processes and threads per server")
     args = ap.parse_args(argv)
     try:
         if os.geteuid() != 0:
@@ -230,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"the checkout {ROOT} is not readable by other users, whose servers run the course "
                              "from it: clone it under /opt or /srv")
         state = output_dir("--state", args.state)
+        _root_only(state)
         if args.command == "add":
             bad = [n for n in args.names if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", n)]
             if bad:
@@ -245,8 +178,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--port={args.port}: give 1 to 65535")
         if not 0.1 <= args.cpus <= 4096:
             raise ValueError(f"--cpus={args.cpus}: give 0.1 to 4096 cores per server")
+        if not 64 <= args.pids <= 1 << 22:
+            raise ValueError(f"--pids={args.pids}: give 64 to 4194304 processes and threads per server")
         settings = {"ip": args.ip, "port": args.port, "gpus": _gpu_pool(args.gpus), "cpus": args.cpus,
-                    "memory": _memory(args.memory)}
+                    "memory": _memory(args.memory), "pids": args.pids}
     except ValueError as e:
         ap.error(str(e))
     serve(state, settings)
@@ -259,6 +194,7 @@ def serve(state: Path, settings: dict) -> None:
     _save_settings(state, {**_settings(state), **settings})
     install()
     env = {**os.environ, "LABKIT_HUB_STATE": str(state.resolve())}
+    os.umask(0o077)  # what JupyterHub creates in the state folder (its database) is root's alone
     print(f"hub: http://{settings['ip']}:{settings['port']}/ state: {state} GPUs: {settings['gpus'] or 'none (CPU)'}",
           flush=True)
     os.chdir(state)

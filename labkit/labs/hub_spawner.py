@@ -8,29 +8,41 @@
   their student form, :mod:`labkit.labs.student_labs`; instructors the source and a link to the course
   directory), copying only what is missing so nobody's work is overwritten; gives the server one
   device of the GPU pool (``CUDA_VISIBLE_DEVICES``: an index or a MIG UUID) and takes it back when
-  the server stops; and puts the server in a cgroup of its own with the CPU and memory limits (the
-  kernel's cgroup v2 or v1 controllers, as systemd's do; where none is writable the hub says so once
-  and runs without). Students' servers load nbgrader's assignment list and not the formgrader.
+  the server stops; and puts the server in a cgroup of its own with its CPU, memory, process and GPU
+  limits (:mod:`labkit.labs.hub_limits`). The home is filled as its person, never as root
+  (:mod:`labkit.labs.hub_home`). Students' servers load nbgrader's assignment list and not the
+  formgrader.
 """
 from __future__ import annotations
 
 import json
 import os
 import pwd
-import shutil
+import time
 from pathlib import Path
 
 from jupyterhub.auth import PAMAuthenticator
 from jupyterhub.spawner import LocalProcessSpawner
 from traitlets import Dict, Float, Integer, List, Unicode
 
-CGROUP = Path("/sys/fs/cgroup")
+from labkit.labs.hub_home import home_for
+from labkit.labs.hub_limits import join_cgroup, limit_server, limits_held, remove_cgroup
+
 _IN_USE: dict[str, str] = {}  # GPU -> user whose server holds it (rebuilt from servers' state on restart)
 
 
 def roster(state: Path) -> dict[str, list[str]]:
+    """Who is enrolled. ``hub add`` replaces the file whole (one rename); a file being written by
+    hand may still read half, so a read that fails is tried again for a moment."""
     path = Path(state) / "roster.json"
-    return json.loads(path.read_text()) if path.is_file() else {"students": [], "instructors": []}
+    for attempt in range(20):
+        try:
+            return json.loads(path.read_text()) if path.is_file() else {"students": [], "instructors": []}
+        except (json.JSONDecodeError, FileNotFoundError):
+            if attempt == 19:
+                raise
+            time.sleep(0.05)
+    raise AssertionError("unreachable")
 
 
 def role_of(state: Path, user: str) -> str | None:
@@ -45,33 +57,6 @@ class CourseAuthenticator(PAMAuthenticator):
         return role_of(Path(self.state), username) is not None
 
 
-def cgroup_paths(user: str) -> list[Path]:
-    """The folders of ``user``'s cgroup: one under cgroup v2, one per controller under v1."""
-    if (CGROUP / "cgroup.controllers").is_file():
-        return [CGROUP / "labkit-hub" / user]
-    return [CGROUP / c / "labkit-hub" / user for c in ("cpu", "memory")]
-
-
-def limit_server(user: str, cpus: float, memory: int) -> list[Path]:
-    """Make ``user``'s cgroup with ``cpus`` cores and ``memory`` bytes; [] when none can be made."""
-    paths = cgroup_paths(user)
-    try:
-        if len(paths) == 1:  # v2: the parent hands its children the cpu and memory controllers
-            paths[0].mkdir(parents=True, exist_ok=True)
-            (paths[0].parent / "cgroup.subtree_control").write_text("+cpu +memory")
-            (paths[0] / "cpu.max").write_text(f"{int(cpus * 100_000)} 100000")
-            (paths[0] / "memory.max").write_text(str(memory))
-        else:
-            for p in paths:
-                p.mkdir(parents=True, exist_ok=True)
-            (paths[0] / "cpu.cfs_period_us").write_text("100000")
-            (paths[0] / "cpu.cfs_quota_us").write_text(str(int(cpus * 100_000)))
-            (paths[1] / "memory.limit_in_bytes").write_text(str(memory))
-    except OSError:
-        return []
-    return paths
-
-
 class CourseSpawner(LocalProcessSpawner):
     state = Unicode(help="the hub's state folder").tag(config=True)
     python = Unicode(help="the interpreter every user may run, with the course installed").tag(config=True)
@@ -84,6 +69,7 @@ class CourseSpawner(LocalProcessSpawner):
     gpus = List(Unicode(), help="the GPU pool: indices or MIG UUIDs; empty: CPU only").tag(config=True)
     server_cpus = Float(2.0, help="cores per server").tag(config=True)
     server_memory = Integer(8 << 30, help="bytes of memory per server").tag(config=True)
+    server_pids = Integer(2048, help="processes and threads per server").tag(config=True)
     gpu = Unicode("")
 
     def load_state(self, state):
@@ -129,12 +115,11 @@ class CourseSpawner(LocalProcessSpawner):
 
     def make_preexec_fn(self, name):
         become_user = super().make_preexec_fn(name)
-        procs = [p / "cgroup.procs" for p in self._cgroups]
+        cgroups = self._cgroups
         umask = 0o002 if self.role == "instructor" else 0o022  # the course folder is the instructors' group's
 
         def preexec():
-            for p in procs:  # while still root: the server and all it starts live in its cgroup
-                p.write_text(str(os.getpid()))
+            join_cgroup(cgroups)  # while still root: the server and all it starts live in its cgroup
             os.umask(umask)
             become_user()
 
@@ -145,9 +130,12 @@ class CourseSpawner(LocalProcessSpawner):
         self._take_gpu()
         try:
             home_for(self.user.name, self.role, Path(self.state), Path(self.source_labs))
-            self._cgroups = limit_server(self.user.name, self.server_cpus, self.server_memory)
+            self._cgroups = limit_server(self.user.name, self.server_cpus, self.server_memory, self.server_pids,
+                                         list(self.gpus), self.gpu)
             if not self._cgroups:
                 self.log.warning("no writable cgroup: %s's server runs without CPU and memory limits", self.user.name)
+            else:
+                self.log.info("%s's server limits: %s", self.user.name, ", ".join(limits_held(self._cgroups)))
             return await super().start()
         except Exception:
             self._release_gpu()
@@ -156,11 +144,7 @@ class CourseSpawner(LocalProcessSpawner):
     async def stop(self, now=False):
         await super().stop(now=now)
         self._release_gpu()
-        for p in cgroup_paths(self.user.name):  # empty once the server's processes are gone
-            try:
-                p.rmdir()
-            except OSError:
-                pass
+        remove_cgroup(self.user.name)
 
 
 def server_env(state: Path, role: str, home: Path, tools: str, library_path: dict, jupyter_path: list[str],
@@ -177,33 +161,3 @@ def server_env(state: Path, role: str, home: Path, tools: str, library_path: dic
         "TORCH_EXTENSIONS_DIR": str(home / ".cache" / "torch_extensions"),
         "PYTHONWARNINGS": "ignore::FutureWarning",
     }
-
-
-def home_for(user: str, role: str, state: Path, source_labs: Path) -> None:
-    """The labs in ``user``'s home (what is there already stays), and the home private to them."""
-    pw = pwd.getpwnam(user)
-    home = Path(pw.pw_dir)
-    home.chmod(0o700)  # Debian's useradd makes homes readable by everyone
-    labs = home / "labs"
-    made = [] if labs.exists() else [labs]
-    labs.mkdir(exist_ok=True)
-    if role == "instructor":
-        course = home / "course"
-        if not course.is_symlink() and not course.exists():
-            course.symlink_to(state / "course")
-            made.append(course)
-        # the course's folder in the exchange, an instructor's before any student can make it theirs
-        # (the exchange is writable by all; nbgrader releases only into a folder the releaser owns)
-        shared = state / "exchange" / json.loads((state / "hub.json").read_text())["course"]
-        if not shared.exists():
-            shared.mkdir(mode=0o755)
-            made.append(shared)
-        files = sorted(source_labs.glob("*.md"))
-    else:
-        files = sorted((state / "student-labs").glob("*.ipynb"))
-    for f in files:
-        if not (labs / f.name).exists():
-            shutil.copyfile(f, labs / f.name)
-            made.append(labs / f.name)
-    for p in made:
-        os.chown(p, pw.pw_uid, pw.pw_gid, follow_symlinks=False)
