@@ -3,14 +3,16 @@
 # instructor runs nbgrader from this directory (book/instructors.md has the commands). Students need
 # the same course id and exchange in their own nbgrader_config.py (the snippet in that chapter).
 import os
+import warnings
 
 from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
 from nbgrader.preprocessors import GetGrades
+from sqlalchemy.exc import SAWarning
 
 try:
     from labkit.labs.collect import OwnedCollect
     from labkit.labs.feedback import FeedbackWithoutHiddenTests
-    from labkit.labs.sandbox import SandboxedKernelManager
+    from labkit.labs.grading_config import sandboxed_grading
     from labkit.labs.student_labs import CODE_STUB, TEXT_STUB
     from labkit.labs.submit import WholeSubmit
 except ImportError as e:  # traitlets would log it and go on without this file: feedback with hidden tests
@@ -36,7 +38,14 @@ c.ExchangeFactory.submit = WholeSubmit
 # A submission is a student's code: autograde runs each in a fresh kernel inside a sandbox (bubblewrap)
 # that sees a copy of that submission and nothing of the course, the gradebook, the exchange or the
 # grader's home, has no network and no token, and leaves no process behind (labkit/labs/sandbox.py).
-c.Execute.kernel_manager_class = SandboxedKernelManager
+# Autograde also restores every locked cell from the gradebook and warns only for one the student
+# edited: nbgrader's own warns for every untouched hidden-tests cell (labkit/labs/overwrite.py).
+sandboxed_grading(c)
+# nbgrader's gradebook builds a submission's rows before it adds them to the session; SQLAlchemy 2
+# warns when a query flushes in between, and nbgrader then adds and commits them (api.py,
+# Gradebook.add_submission). Nothing is lost: the scores are read back from the gradebook in
+# tests/test_assignments.py.
+warnings.filterwarnings("ignore", r"Object of type <Submitted\w+> not in session", SAWarning)
 # Autograding runs each submission in a fresh kernel; a cell that runs longer than this is
 # interrupted and graded as failed, so an infinite loop costs one timeout, not the grading run.
 # The slowest cell, data_parallel's (2 ranks over gloo), takes seconds.

@@ -25,6 +25,7 @@ LABS = list_labs()
 PLANTED = Path(__file__).parent / "planted_bugs"
 STUDENTS = ("instructor", "unsolved", "planted")
 LOOP_TIMEOUT_S = 3
+TAMPERED = "mem_zero_bytes_figure1"  # a locked test cell of the memory lab's exercise
 
 
 def planted_solutions(lab: str) -> dict[str, str]:
@@ -67,10 +68,10 @@ def _split(labs: list[str]) -> list[list[str]]:
     return [g for g in groups if g]
 
 
-def _autograde(course: Path, *args: str) -> None:
-    """``nbgrader autograde ARGS``. Each kernel runs in the course's sandbox and talks to nbgrader over
-    unix sockets (labkit/labs/sandbox.py), so two graders side by side cannot race for a port."""
-    nbgrader(course, "autograde", *args)
+def _autograde(course: Path, *args: str) -> str:
+    """``nbgrader autograde ARGS``, its log. Each kernel runs in the course's sandbox and talks to
+    nbgrader over unix sockets (labkit/labs/sandbox.py): two graders side by side race for no port."""
+    return nbgrader(course, "autograde", *args)
 
 
 def _grade(course: Path, labs: list[str]) -> dict:
@@ -83,7 +84,7 @@ def _grade(course: Path, labs: list[str]) -> dict:
         _submit(course, "instructor", lab, nbformat.read(course / "source" / lab / f"{lab}.ipynb", as_version=4))
         _submit(course, "unsolved", lab, release)
         _submit(course, "planted", lab, _with_solutions(release, planted_solutions(lab)))
-    _autograde(course, "*", "--ExecutePreprocessor.timeout=300")
+    logs = {"graded": _autograde(course, "*", "--ExecutePreprocessor.timeout=300")}
     times = {"graded": time.perf_counter() - t0}
     if "memory" in labs:  # bad input: a syntax error, and a loop that never ends
         release = nbformat.read(course / "release" / "memory" / "memory.ipynb", as_version=4)
@@ -93,11 +94,15 @@ def _grade(course: Path, labs: list[str]) -> dict:
         _submit(course, "bad_loop", "memory", _with_solutions(
             release, {gid: "def zero_bytes_per_device(n_params, world_size, stage, k=12):\n"
                            "    while True:\n        pass\n"}))
+        tampered = nbformat.from_dict(json.loads(json.dumps(release)))  # a visible test edited into passing
+        (test,) = [c for c in tampered.cells if c.metadata.get("nbgrader", {}).get("grade_id") == TAMPERED]
+        test.source = "pass\n"
+        _submit(course, "bad_tampered", "memory", tampered)
         t0 = time.perf_counter()
-        _autograde(course, "memory", "--CourseDirectory.student_id=bad_*",
-                   f"--ExecutePreprocessor.timeout={LOOP_TIMEOUT_S}")
+        logs["bad"] = _autograde(course, "memory", "--CourseDirectory.student_id=bad_*",
+                                 f"--ExecutePreprocessor.timeout={LOOP_TIMEOUT_S}")
         times["bad"] = time.perf_counter() - t0
-    return times
+    return {"times": times, "logs": logs}
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +114,13 @@ def graded(tmp_path_factory, grading_sandbox) -> dict:
     groups = _split(LABS)
     courses = [tmp_path_factory.mktemp(f"course{i}") for i in range(len(groups))]
     with ThreadPoolExecutor(len(groups)) as pool:
-        times = list(pool.map(_grade, courses, groups))
+        runs = list(pool.map(_grade, courses, groups))
+    times = [r["times"] for r in runs]
     scores: dict = {}
     course_of = {lab: course for course, labs in zip(courses, groups) for lab in labs}
     for course, labs in zip(courses, groups):
         with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
-            for student in (*STUDENTS, "bad_syntax", "bad_loop"):
+            for student in (*STUDENTS, "bad_syntax", "bad_loop", "bad_tampered"):
                 for lab in labs if student in STUDENTS else {"memory"} & set(labs):
                     sub = gb.find_submission(lab, student)
                     nb = gb.find_submission_notebook(lab, lab, student)
@@ -123,7 +129,7 @@ def graded(tmp_path_factory, grading_sandbox) -> dict:
     print("\n" + "; ".join(f"{' '.join(g)}: " + ", ".join(f"{k} {v:.1f} s" for k, v in t.items())
                            for g, t in zip(groups, times)))
     t_bad = next(t["bad"] for t in times if "bad" in t)
-    return dict(course_of=course_of, scores=scores, t_bad=t_bad)
+    return dict(course_of=course_of, scores=scores, t_bad=t_bad, logs=[r["logs"] for r in runs])
 
 
 def _autograded(course: Path, student: str, lab: str):
@@ -268,6 +274,17 @@ def test_syntax_error_and_infinite_loop_are_graded_zero_not_a_crash(graded):
         assert any(re.fullmatch(expect, e) for e in names), (student, names)
     # Two test cells each call the looping function: two timeouts, not one per notebook cell forever.
     assert graded["t_bad"] < 60 + 4 * LOOP_TIMEOUT_S, graded["t_bad"]
+
+
+def test_untouched_and_wrong_submissions_grade_without_a_warning_and_tampering_shows(graded):
+    """An instructor reads a warning in autograde's log as a student's doing: the instructor's, the
+    unanswered and the wrong submissions of every lab raise none; an edited test cell is named."""
+    for logs in graded["logs"]:
+        quiet = logs["graded"]
+        assert not re.search(r"WARNING|SAWarning|has changed", quiet), re.findall(r".*(?:WARNING|Warning).*", quiet)
+    (bad,) = [logs["bad"] for logs in graded["logs"] if "bad" in logs]
+    assert re.findall(r"Attribute 'checksum' for cell (\S+) has changed", bad) == [TAMPERED], bad[-3000:]
+    assert graded["scores"]["bad_tampered", "memory"]["score"] == 0  # the test restored, and run
 
 
 def test_validator_passes_the_instructor_notebook_and_fails_the_students(graded):

@@ -102,9 +102,22 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _start() -> str:
+    """What README says a new shell starts with ("Your shell"): the line that activates ``.venv``."""
+    (line,) = re.findall(r"^source \S*activate$", (ROOT / "README.md").read_text(), re.M)
+    return line
+
+
+def _fresh_env() -> dict[str, str]:
+    """A new login shell's environment: nothing of this process's (its PATH, its virtualenv)."""
+    keep = {k: os.environ[k] for k in ("HOME", "USER", "LOGNAME", "LANG", "TMPDIR") if k in os.environ}
+    return {**keep, "TERM": "dumb", "CUDA_VISIBLE_DEVICES": ""}  # no GPU here: the gpu rule's commands stop
+
+
 def _shell(command: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", command], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    """``command`` as a reader types it: a fresh ``bash -l`` in the repository root, started as README says."""
+    return subprocess.run(["bash", "-l", "-c", f"{_start()} && {command}"], cwd=ROOT, env=_fresh_env(),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def _of(kind: str) -> list[str]:

@@ -337,10 +337,12 @@ def test_a_term_on_the_hub(hub, browser, grading_sandbox):
     assert (home[TEACH] / "course").resolve() == course.resolve()
     # the course's folder in the exchange, the instructor's from the day they were added
     assert (state / "exchange" / "training-at-scale").stat().st_uid == pwd.getpwnam(TEACH).pw_uid
-    from test_hub_image import uses_the_courses_exchange
+    from test_hub_image import grades_in_the_sandbox, uses_the_courses_exchange
 
     # the formgrader's collect, and the students' submit
     assert uses_the_courses_exchange(state / "jupyter" / "instructor", state / "jupyter" / "student")
+    # an instructor's autograde from anywhere runs in the sandbox (the course's config does in ~/course)
+    assert grades_in_the_sandbox(state / "jupyter" / "instructor") == [True]
     _as(hub, TEACH, "python", "-m", "labkit.labs.assignments", LAB, "--course", f"{home[TEACH]}/course")
     _as(hub, TEACH, "nbgrader", "release_assignment", LAB, cwd=home[TEACH] / "course")
     right, wrong = _answers(hub)

@@ -280,6 +280,38 @@ def uses_the_courses_exchange(*folders: Path) -> bool:
     return proc.stdout.strip() == str([True] * len(folders))
 
 
+def grades_in_the_sandbox(*folders: Path, env: dict | None = None) -> list[bool]:
+    """For each folder's nbgrader_config.py: whether autograde would run submissions in the course's
+    sandbox and restore locked cells with the course's OverwriteCellsAsReleased."""
+    code = """if 1:
+        import sys
+        from nbgrader.converters import Autograde
+        from traitlets.config.loader import PyFileConfigLoader
+        from labkit.labs.overwrite import OverwriteCellsAsReleased
+        from labkit.labs.sandbox import SandboxedKernelManager
+        out = []
+        for f in sys.argv[1:]:
+            grader = Autograde(config=PyFileConfigLoader("nbgrader_config.py", f).load_config())
+            kernels = [p(parent=grader).kernel_manager_class for p in grader.autograde_preprocessors
+                       if hasattr(p, "kernel_manager_class")]
+            out.append(kernels == [SandboxedKernelManager]
+                       and OverwriteCellsAsReleased in grader.sanitize_preprocessors)
+        print(out)
+    """
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, folders)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return [x == "True" for x in proc.stdout.strip().strip("[]").split(", ")]
+
+
+def test_every_instructors_settings_grade_in_the_sandbox():
+    # the course directory's, and the image's for an instructor's server (the formgrader's Autograde
+    # button); a student's server validates their own work as themselves, without one
+    assert grades_in_the_sandbox(ROOT / "course", ROOT / "cluster" / "jupyterhub",
+                                 env={"LABKIT_INSTRUCTOR": "1"}) == [True, True]
+    assert grades_in_the_sandbox(ROOT / "cluster" / "jupyterhub", env={"LABKIT_INSTRUCTOR": "0"}) == [False]
+
+
 def test_the_course_and_the_image_collect_each_students_own_and_submit_whole_notebooks():
     # the course directory's settings (nbgrader collect there) and every server's (the formgrader's
     # Collect button, the Assignments panel's Submit, from the home folder); make hub's are held in test_hub

@@ -11,3 +11,10 @@ c.Exchange.root = os.environ.get("NBGRADER_EXCHANGE", "/srv/nbgrader/exchange")
 c.ExchangeFactory.collect = "labkit.labs.collect.OwnedCollect"
 # whole notebooks only, also when Submit is pressed during a save (labkit/labs/submit.py)
 c.ExchangeFactory.submit = "labkit.labs.submit.WholeSubmit"
+# an instructor's autograde (the formgrader's too) runs each submission in a sandbox and warns only for
+# a locked cell a student edited (labkit/labs/sandbox.py, labkit/labs/overwrite.py); the pod must allow
+# user namespaces for bubblewrap, or autograde refuses in one line (book/instructors.md)
+if os.environ.get("LABKIT_INSTRUCTOR") == "1":
+    from labkit.labs.grading_config import sandboxed_grading
+
+    sandboxed_grading(c)

@@ -24,6 +24,9 @@ COURSE_ID = "training-at-scale"
 STUDENT_SETTINGS = ROOT / "cluster" / "jupyterhub" / "student"  # Jupyter settings of a student's server
 GROUP = "labkit-instructors"
 ROLES = ("student", "instructor")
+# what the course's nbgrader_config.py sets for grading: each submission in a sandbox, a warning only
+# for a locked cell the student edited (labkit/labs/sandbox.py, labkit/labs/overwrite.py)
+INSTRUCTOR_GRADING = ["from labkit.labs.grading_config import sandboxed_grading", "sandboxed_grading(c)"]
 
 
 def _settings(state: Path) -> dict:
@@ -92,8 +95,12 @@ def prepare_state(state: Path, group: str = GROUP, course_id: str = COURSE_ID, e
                  'c.ExchangeFactory.collect = "labkit.labs.collect.OwnedCollect"',  # the formgrader's collect too
                  'c.ExchangeFactory.submit = "labkit.labs.submit.WholeSubmit"']  # the Assignments panel's submit
         if role == "instructor":
-            lines.append(f"c.CourseDirectory.root = {str(course)!r}")
-        (folder / "nbgrader_config.py").write_text("c = get_config()  # noqa: F821\n" + "\n".join(lines) + "\n")
+            # ~/course, the link to it in every instructor's home: the formgrader wants the course under
+            # the server's root (the home), and says "nbgrader will not work correctly" otherwise
+            lines.append('c.CourseDirectory.root = os.path.join(os.path.expanduser("~"), "course")')
+            lines += INSTRUCTOR_GRADING  # also when autograde runs from elsewhere than ~/course
+        (folder / "nbgrader_config.py").write_text("import os\n\nc = get_config()  # noqa: F821\n" + "\n".join(lines)
+                                                   + "\n")
         if role == "student":  # no formgrader, no assignment creation: the Kubernetes image's settings too
             shutil.copytree(STUDENT_SETTINGS, folder, dirs_exist_ok=True)
     from labkit.labs.student_labs import write_student_labs
