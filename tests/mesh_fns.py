@@ -3,6 +3,7 @@ them from here)."""
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -39,3 +40,12 @@ def runs(jobs: list) -> list[dict]:
                 rank.pop(key, None)
         out.append(r)
     return out
+
+
+def runs_warned(jobs: list) -> tuple[list[dict], list[str]]:
+    """:func:`runs`, and every warning this rank raised meanwhile (each occurrence, not Python's first
+    one per place only)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = runs(jobs)
+    return out, [f"{w.category.__name__}: {w.message}" for w in caught]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh_fns import only_step, runs
+from mesh_fns import only_step, runs, runs_warned
 from labkit.core.model import GPTConfig
 from labkit.launch import launch
 from labkit.parallel.mesh import Degrees
@@ -104,6 +104,26 @@ def test_every_layout_resumes_bit_for_bit_and_reshards_into_others(grid):
     only_step(grid["root"] / "tp2 pp2 dp2", grid["root"] / "as-one", SAVE_AT)  # ... and as one process
     one = train(replace(BASE, checkpoint_dir=str(grid["root"] / "as-one")), MODEL)
     assert one["start_step"] == SAVE_AT and _diff(one["loss"], uninterrupted) < FP32_TOL
+
+
+# Issue 44, item 7: pipeline stages with tensor and sequence parallelism, replicated through FSDP2.
+# Stage 0's last block handed its sequence shard on as DTensor.to_local's view: each stage-0 rank
+# printed FSDP2's "returned a view tensor" for the block and for the stage (eight lines on 8 ranks),
+# and the zero-bubble schedules, which detach a stage's outputs in place, crashed on it.
+SP_LAYOUTS = {"pp2 tp2 sp hsdp2x1": (dict(pp=2, tp=2, dp_replicate=2, dp_shard=1), MODEL, "1f1b"),
+              "pp2 tp4 sp zbv": (dict(pp=2, tp=4), replace(MODEL, n_layer=4), "zbv")}
+
+
+def test_sequence_parallel_stages_hand_on_no_view_and_train_as_one_process():
+    jobs = [(_cfg(d, sequence_parallel=True, pp_schedule=s, return_params=True), m) for d, m, s in SP_LAYOUTS.values()]
+    ranks = launch(runs_warned, jobs, world_size=8, timeout=600, quiet=True)
+    views = [w for _, caught in ranks for w in caught if "returned a view tensor" in w]
+    assert not views, views
+    for name, r in zip(SP_LAYOUTS, ranks[0][0]):
+        ref = train(replace(BASE, return_params=True), SP_LAYOUTS[name][1])
+        assert len(r["loss"]) == STEPS and _diff(r["loss"], ref["loss"]) < FP32_TOL, name
+        params = max((r["params"][k] - v).abs().max().item() for k, v in ref["params"].items())
+        assert set(r["params"]) == set(ref["params"]) and params < 1e-4, (name, params)
 
 
 def test_the_chooser_prints_a_layout_and_a_command_labkit_train_parses_to_it():

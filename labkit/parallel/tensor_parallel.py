@@ -109,7 +109,19 @@ def parallelize_dtensor(model: nn.Module, mesh: DeviceMesh, sequence_parallel: b
     if not hasattr(model, "head"):
         parallelize_module(blocks[-1], mesh, PrepareModuleOutput(
             output_layouts=Shard(1), desired_output_layouts=Shard(1), use_local_output=True))
+        blocks[-1].register_forward_hook(_own_copy)  # after to_local's hook, before FSDP2's
     return model
+
+
+def _own_copy(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    """A stage's outgoing shard as a tensor of its own. ``DTensor.to_local`` returns a view
+    (torch/distributed/tensor/_api.py, ``_ToTorchTensor.forward``: ``local_tensor.view_as(local_tensor)``),
+    and torch's zero-bubble schedules detach a stage's outputs in place once their input gradients
+    are computed (torch/distributed/pipelining/_backward.py, ``stage_backward_input``), which a view
+    refuses: "Can't detach views in-place". The same in-place op is what FSDP2's "returned a view
+    tensor" warning is about (pytorch/pytorch#181832: it drops the pre-backward hook). One copy of the
+    (rows, tokens / tp, hidden) shard per microbatch; the view's storage is freed with it."""
+    return out.clone()
 
 
 class CopyToTensorParallel(torch.autograd.Function):
