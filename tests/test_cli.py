@@ -11,6 +11,7 @@ import pytest
 from labkit.core.model import GPTConfig
 from labkit.labs.cli import main as labs_main
 from labkit.planning.cli import main as memory_main
+from labkit.planning.plan_cli import main as plan_main
 from labkit.train.cli import build_parser, main as train_main
 from labkit.train.config import GROUPS, TrainConfig
 
@@ -103,7 +104,7 @@ _HUGE = str(10**300)
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--hidden", _HUGE, "--layers", "2", "--heads", "2"], "hidden must be at most 1e+15"),
+    (["--hidden", _HUGE, "--layers", "2", "--heads", "2"], "--hidden=1000... (301 digits) is too large"),
     (["--devices", _HUGE], "world_size must be at most 1e+15"),
     (["--model", "DEEP"], "nested too deeply"),
     (["--model", "HUGE"], "hidden_size must be between 0 and 1e+15"),
@@ -118,6 +119,20 @@ def test_memory_cli_huge_and_hostile_inputs_are_one_line(capsys, tmp_path, argv,
     assert words in _one_line_error(capsys, memory_main, argv)
 
 
+@pytest.mark.parametrize("main", [memory_main, plan_main], ids=["labkit.memory", "labkit.planning"])
+@pytest.mark.parametrize("argv, words", [
+    (["--hidden", "2147483648"], "--hidden=2147483648 is too large"),  # a traceback in the planner's search
+    (["--vocab", "0"], "--vocab must be a positive integer, got 0"),  # the planner took 0 as the default
+    (["--experts", "8", "--experts-per-token", "0"], "--experts-per-token must be a positive integer, got 0"),
+    (["--layers", "100000"], "--layers=100000 is too large"),  # 10,000 layers took the search minutes
+    (["--hidden", "1000000", "--layers", "1000", "--heads", "1000"], "holds 1.2e+16 parameters; valid: at most 1e+15"),
+], ids=["hidden 2^31", "vocab 0", "experts-per-token 0", "layers 1e5", "each within bounds, the product not"])
+def test_model_shape_flags_are_bounded_in_one_line(capsys, main, argv, words):
+    """Issue 43, item 11: every shape flag at least 1 and at most a bound past any model trained."""
+    argv = {"--hidden": "64", "--layers": "2", "--heads": "2"} | dict(zip(argv[::2], argv[1::2]))
+    assert words in _one_line_error(capsys, main, [x for kv in argv.items() for x in kv])
+
+
 @pytest.mark.parametrize("argv", [["run", "nosuch"], ["run", "data_parallel", "--profile", "huge"],
                                   ["flags", "data_parallel", "gpu", "--world-size", "0"], ["flags", "x", "gpu",
                                                                                             "--world-size", "2"],
@@ -126,6 +141,30 @@ def test_memory_cli_huge_and_hostile_inputs_are_one_line(capsys, tmp_path, argv,
                                   ["run", "data_parallel", "--profile", "gpu", "--gpus", "4096"]])
 def test_lab_runner_bad_values_are_one_line(capsys, argv):
     _one_line_error(capsys, labs_main, argv)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["run", "data_parallel", "--out", ""], "--out='' is empty"),  # was the working directory
+    (["run", "x" * 5000], "(5000 characters) does not exist"),  # was OSError: File name too long
+    (["resolve", "x" * 5000, "ci"], "(5000 characters) has no profiles"),
+    (["run", "data_parallel", "-p", "ring_world_sizes=[0, 2]"], "OVERRIDES['ring_world_sizes'][0]=0 must be above 0"),
+    (["run", "data_parallel", "-p", "ring_world_sizes", '[2, "x"]'], "[1]='x' must be a whole number"),
+    (["run", "data_parallel", "-p", "ring_world_sizes=[2.5]"], "['ring_world_sizes'][0]=2.5 must be a whole number"),
+    (["run", "data_parallel", "-p", "ring_world_sizes=[]"], "['ring_world_sizes']=[] must hold at least one item"),
+    (["run", "memory", "-p", "sizes=[[2, 64]]"], "OVERRIDES['sizes'][0]=[2, 64] must hold 3 items"),
+    (["run", "activation_checkpointing", "-p", "policies=[1]"], "OVERRIDES['policies'][0]=1 must be a string"),
+    (["run", "composing", "-p", 'layout_3d={"tp": 2}'], "OVERRIDES['layout_3d'] must have the keys"),
+], ids=["--out empty", "a 5,000-character lab", "resolve a 5,000-character lab", "a list item 0",
+        "a list item a word", "a list item a fraction", "an empty list", "a triple of two", "a list item not a string",
+        "a mapping short of keys"])
+def test_lab_runner_refuses_in_one_line_before_any_lab_runs(capsys, monkeypatch, tmp_path, argv, words):
+    """Issue 43, item 11: checked before papermill starts a kernel, and nothing written where it runs."""
+    import labkit.labs.cli as cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "run_labs", lambda *a, **kw: pytest.fail(f"a lab ran: {a} {kw}"))
+    assert words in _one_line_error(capsys, labs_main, argv)
+    assert not list(tmp_path.iterdir())
 
 
 def test_can_checkpoint_asks_the_registry(capsys):

@@ -6,6 +6,7 @@ exchange of its own, with the settings the hub and the image give every server.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +113,39 @@ def test_a_backup_left_by_a_crashed_save_delays_the_submit_but_does_not_stop_it(
     assert proc.wait(timeout=120) == 0, err[-2000:]
     assert "Waiting for a save under way" in err, err
     assert _submitted(course)[0].read_text() == course["whole"]
+
+
+# What a student's folder may hold besides a notebook (issue 43, item 10): refused in the same one
+# line, not a traceback, and a FIFO is never opened to wait on.
+# (each row is a submit of its own, ~5 s: one row per way nbformat fails, those of the report first)
+NOT_A_NOTEBOOK = {"{}": "{}", "[]": "[]", "null": "null", "cells a string": '{"cells": "x"}',
+                  "deep JSON": "[" * 100_000 + "]" * 100_000}
+WHOLE_LINE = f"Not submitted: {LAB}.ipynb is not a whole notebook (was it being saved?). Save it, then submit again."
+ODD_LINE = "is not a regular file (a FIFO, a device or a broken link). Remove it, then submit again."
+
+
+def _refused(course: dict) -> str:
+    proc = _submit(course)
+    try:
+        err = proc.communicate(timeout=60)[1]  # a hang fails here rather than holding the suite
+    finally:
+        proc.kill()
+    assert proc.returncode not in (0, None) and "Traceback" not in err, err[-2000:]
+    assert not list(course["inbound"].iterdir()) and not course["cache"].exists()
+    return err
+
+
+@pytest.mark.parametrize("text", NOT_A_NOTEBOOK.values(), ids=NOT_A_NOTEBOOK.keys())
+def test_json_that_is_not_a_notebook_is_refused_in_one_line(course, text):
+    course["notebook"].write_text(text)
+    assert WHOLE_LINE in _refused(course)
+
+
+@pytest.mark.parametrize("name, plant", [
+    ("pipe.ipynb", os.mkfifo),  # opened by the check of notebooks, it waited for a writer for ever
+    ("null.bin", lambda p: p.symlink_to(os.devnull)),  # /dev/zero there: the copy never ends
+], ids=["a FIFO", "a link to a device"])
+def test_a_fifo_or_a_device_is_refused_in_one_line(course, name, plant):
+    course["notebook"].write_text(course["whole"])
+    plant(course["notebook"].parent / name)
+    assert f"Not submitted: {name} {ODD_LINE}" in _refused(course)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from labkit.core.checks import output_dir, positive_int
+from labkit.core.checks import brief_path, output_dir, positive_int
 from labkit.core.cli import ArgumentParser
 from labkit.labs.compare import BASELINE_DIR
 from labkit.labs.profiles import PROFILES
@@ -51,35 +51,51 @@ def check_gpus_here(lab: str, profile: str, gpus: int | None, overrides: dict) -
                          f"print the plan without running it: python -m labkit resolve {lab} {profile} --gpus {gpus}")
 
 
+def _baseline_to(path: Any) -> Path:
+    """``--to`` as a folder, checked but not made: made only once the run is found to be a baseline."""
+    if str(path) == "":
+        raise ValueError("--to='' is empty (an unset variable?): give the baseline's folder, or leave it out")
+    try:
+        there = Path(path).exists() and not Path(path).is_dir()
+    except OSError as e:  # a name too long for the filesystem
+        raise ValueError(f"--to={brief_path(path)} cannot be looked at ({e.strerror or e})") from None
+    if there:
+        raise ValueError(f"--to={brief_path(path)} is not a folder: pass the baseline's folder")
+    return Path(path)
+
+
 def _compare_or_baseline(ap: ArgumentParser, args: Any) -> int:
     from labkit.labs import compare as cmp
+    from labkit.labs.compare_report import check_report_dir, write_report
 
     try:
         if args.cmd == "baseline":
-            to = args.to or cmp.BASELINE_DIR / args.profile
+            to = _baseline_to(args.to if args.to is not None else cmp.BASELINE_DIR / args.profile)
             written = cmp.make_baseline(args.run, args.profile, to)
             print(f"baseline: {len(written)} labs' metrics from {args.run} -> {to} (review the diff, then commit)")
             return 0
         if args.timings is not None and not args.timings >= 0:
             raise ValueError(f"--timings {args.timings}: give a relative tolerance >= 0, such as 0.1")
-        base, run = cmp.load_metrics(args.baseline), cmp.load_metrics(args.run)
-        report_dir = output_dir("--report", args.report or args.run)
+        base, run = cmp.load_metrics(args.baseline, "--baseline"), cmp.load_metrics(args.run, "RUN")
+        report_dir = check_report_dir("--report", args.run if args.report is None else args.report)
     except ValueError as e:
         ap.error(str(e))
     result = cmp.compare(base, run, args.timings)
     print("\n".join(cmp.summary(result, args.verbose)))
-    md = cmp.write_report(result, args.baseline, args.run, report_dir)
+    md = write_report(result, args.baseline, args.run, report_dir)
     print(f"{'REGRESSED' if result.regressed else 'no regression'}; report: {md}")
     return 1 if result.regressed else 0
 
 
 def _parser() -> ArgumentParser:
+    # Folders are taken as text and checked (output_dir, load_metrics): Path("") is ".", and an unset
+    # variable (--out "$OUT") would write into the working directory.
     ap = ArgumentParser(prog="python -m labkit", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="execute labs with papermill")
     r.add_argument("labs", nargs="*", help="lab names (default: all)")
     r.add_argument("--profile", default="ci", help="cpu, ci or gpu")
-    r.add_argument("--out", type=Path, default=OUT_DIR)
+    r.add_argument("--out", default=OUT_DIR, help=f"where the executed labs go (default: {OUT_DIR})")
     r.add_argument("--force", action="store_true", help="re-run even when nothing changed")
     r.add_argument("--gpus", type=int, default=None, help="GPUs to fit a gpu profile to (default: those found)")
     r.add_argument("--jobs", type=int, default=1, help="labs run side by side, each in its own process "
@@ -105,18 +121,18 @@ def _parser() -> ArgumentParser:
                    "(default: the profile's own, where it names one; a gpu profile's is every GPU: give it)")
     c = sub.add_parser("compare", help="hold a run's lab metrics against a baseline: what changed, exit 1 "
                        "when something regressed (labkit.labs.compare)")
-    c.add_argument("run", type=Path, help="a folder of <lab>.metrics.json: book/labs, a gpu-check's labs/")
-    c.add_argument("--baseline", type=Path, default=BASELINE_DIR / "ci",
+    c.add_argument("run", help="a folder of <lab>.metrics.json: book/labs, a gpu-check's labs/")
+    c.add_argument("--baseline", default=BASELINE_DIR / "ci",
                    help="the folder to hold it against (default: the committed ci baseline)")
     c.add_argument("--timings", type=float, default=None, metavar="REL",
                    help="hold timings to this relative tolerance too (a quiet GPU node; default: report them)")
-    c.add_argument("--report", type=Path, default=None,
+    c.add_argument("--report", default=None,
                    help="where compare.md and its plots go (default: the run folder)")
     c.add_argument("--verbose", action="store_true", help="a line for every timing that moved too")
     b = sub.add_parser("baseline", help="make a run's lab metrics the committed baseline (a reviewed change)")
-    b.add_argument("run", type=Path, nargs="?", default=OUT_DIR, help=f"the run folder (default: {OUT_DIR})")
+    b.add_argument("run", nargs="?", default=OUT_DIR, help=f"the run folder (default: {OUT_DIR})")
     b.add_argument("--profile", default="ci", help="the profile every lab in it ran (default: ci)")
-    b.add_argument("--to", type=Path, default=None, help="the baseline folder (default: labs/baseline/PROFILE)")
+    b.add_argument("--to", default=None, help="the baseline folder (default: labs/baseline/PROFILE)")
     return ap
 
 
@@ -162,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = {key: parse_value(value) for key, value in args.parameter}
         names = args.labs or list_labs()
-        output_dir("--out", args.out)
+        out = output_dir("--out", args.out)
         if args.gpus is not None:
             positive_int("--gpus", args.gpus)
         positive_int("--jobs", args.jobs)
@@ -174,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     try:
-        run_labs(names, args.profile, args.out, args.jobs, args.force, overrides=overrides or None,
+        run_labs(names, args.profile, out, args.jobs, args.force, overrides=overrides or None,
                  as_script=args.as_script, gpus=args.gpus)
     except RuntimeError as e:  # a lab failed, or needs a missing package: not the caller's argument
         print(f"error: {e}", file=sys.stderr)

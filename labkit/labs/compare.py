@@ -6,37 +6,80 @@ unless ``--baseline`` names another, such as the folder a GPU site keeps). Each 
 its kind (:mod:`labkit.labs.metric_kinds`): an exact one that changed, a close one outside its
 tolerance, a metric or a lab the baseline has and the run lacks, and with ``--timings REL`` a timing
 that moved by more than REL, are regressions (exit status 1). Added metrics and timings are
-reported. A markdown report, and a plot of every per-step series that moved, go next to the run.
+reported. A markdown report, and a plot of every per-step series that moved, go next to the run
+(:mod:`labkit.labs.compare_report`). What a folder holds is data: a file that is not a JSON object
+of metrics (a list, a FIFO, a link loop, JSON nested too deeply) is one line naming it.
 ``python -m labkit baseline`` makes a run the committed baseline: a reviewed, one-line change.
 """
 from __future__ import annotations
 
 import json
 import math
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from labkit.core.checks import brief_path
+from labkit.core.files import read_regular, write_whole
 from labkit.labs.metric_kinds import FROM_FLOATS, MACHINE_KEYS, Kind, close, kind_of
 
 BASELINE_DIR = Path(__file__).resolve().parent.parent.parent / "labs" / "baseline"
 Scalar = float | int | str | bool | None
 
 
-def load_metrics(folder: Path) -> dict[str, dict]:
-    """Every lab's metrics in ``folder``, by lab; a ValueError naming the folder when it has none or
-    a file is not JSON."""
+# Deeper than this is not a lab's metrics (theirs nest a few levels): refused before flatten recurses.
+MAX_DEPTH = 100
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists and objects deeper than ``limit`` (a loop, not recursion)."""
+    todo = [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                return True
+            todo += [(item, depth + 1) for item in (v.values() if isinstance(v, dict) else v)]
+    return False
+
+
+def _metrics(f: Path, name: str) -> dict:
+    """One ``<lab>.metrics.json``, or a ValueError in one line saying what it is instead."""
+    try:
+        text = read_regular(f)  # not a FIFO's reader for ever, nor a device's
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}; a run folder holds <lab>.metrics.json files") from None
+    try:
+        data = json.loads(text)
+        deep = _depth_over(data, MAX_DEPTH)
+    except RecursionError:  # deeper than the parser goes
+        deep = True
+    except ValueError as e:  # JSONDecodeError, not UTF-8, an integer of 5,000 digits
+        where = f", line {e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
+        raise ValueError(f"{name}: {brief_path(f)} is not JSON ({getattr(e, 'msg', e)}{where})") from None
+    if deep:
+        raise ValueError(f"{name}: {brief_path(f)} is nested too deeply to be a lab's metrics "
+                         f"(more than {MAX_DEPTH} levels)")
+    if not isinstance(data, dict):
+        raise ValueError(f"{name}: {brief_path(f)} holds {_json_kind(data)}, not a JSON object: a lab's "
+                         "metrics are an object of named values")
+    return data
+
+
+def _json_kind(v: Any) -> str:
+    return {list: "a list", str: "a string", type(None): "null", bool: "a boolean"}.get(type(v), "a number")
+
+
+def load_metrics(folder: Path | str, name: str = "RUN") -> dict[str, dict]:
+    """Every lab's metrics in ``folder``, by lab; a ValueError naming ``name`` (the parameter) when it
+    has none or a file is not a JSON object (not a regular file, not JSON, nested too deeply)."""
+    if str(folder) == "":
+        raise ValueError(f"{name}='' is empty (an unset variable?): give a folder of <lab>.metrics.json")
     files = sorted(Path(folder).glob("*.metrics.json"))
     if not files:
-        raise ValueError(f"{folder}: no <lab>.metrics.json here (a run folder such as book/labs, or a baseline)")
-    out = {}
-    for f in files:
-        try:
-            out[f.name.removesuffix(".metrics.json")] = json.loads(f.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{f}: not JSON ({e.msg}, line {e.lineno})") from None
-    return out
+        raise ValueError(f"{name}: {brief_path(folder)} holds no <lab>.metrics.json (a run folder such as "
+                         "book/labs, or a baseline)")
+    return {f.name.removesuffix(".metrics.json"): _metrics(f, name) for f in files}
 
 
 def flatten(metrics: Any, prefix: str = "") -> dict[str, Scalar | list]:
@@ -80,18 +123,33 @@ def _has_float(*values: Any) -> bool:
     return any(isinstance(v, float) or isinstance(v, list) and _has_float(*v) for v in values)
 
 
+def _nan(v: Any) -> bool:
+    return isinstance(v, float) and math.isnan(v)
+
+
+def _same(old: Any, new: Any) -> bool:
+    """``old == new``, where a NaN equals a NaN: a loss that was NaN and still is has not changed."""
+    if isinstance(old, list) and isinstance(new, list):
+        return len(old) == len(new) and all(_same(a, b) for a, b in zip(old, new))
+    return old == new or _nan(old) and _nan(new)
+
+
 def _within(old: Any, new: Any, kind: Kind) -> bool:
     """Whether ``new`` is ``old`` up to ``kind``'s tolerance (element by element for a series)."""
     if isinstance(old, list) or isinstance(new, list):
         return (isinstance(old, list) and isinstance(new, list) and len(old) == len(new)
                 and all(_within(a, b, kind) for a, b in zip(old, new)))
-    if _is_number(old) and _is_number(new):
-        return math.isclose(old, new, rel_tol=kind.rel, abs_tol=kind.abs)
-    return old == new
+    if _is_number(old) and _is_number(new) and not _same(old, new):
+        try:
+            return math.isclose(old, new, rel_tol=kind.rel, abs_tol=kind.abs)
+        except OverflowError:  # an integer past float's range: only the same integer is within
+            return False
+    return _same(old, new)
 
 
 def _machine(metrics: dict) -> dict:
-    env = metrics.get("environment") or {}
+    env = metrics.get("environment")
+    env = env if isinstance(env, dict) else {}  # a hand-edited file: its environment is data, compared as such
     return {k: env.get(k) for k in MACHINE_KEYS}
 
 
@@ -117,7 +175,7 @@ def compare(base: dict[str, dict], run: dict[str, dict], timings: float | None =
                                           old.get(path), new.get(path), regression=gone))
                 continue
             a, b = old[path], new[path]
-            if a == b:
+            if _same(a, b):
                 continue
             if kind.name in ("timing", "context"):
                 held = kind.name == "timing" and timings is not None and not isinstance(a, str)
@@ -132,7 +190,9 @@ def compare(base: dict[str, dict], run: dict[str, dict], timings: float | None =
 
 
 def _short(v: Any, width: int = 60) -> str:
-    text = json.dumps(v) if not isinstance(v, str) else v
+    """A value, or a metric's path, in one short line: control characters (a NUL, a newline in a
+    key) escaped as JSON escapes them."""
+    text = json.dumps(v) if not isinstance(v, str) or not v.isprintable() else v
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
@@ -152,69 +212,9 @@ def summary(c: Comparison, timing_lines: bool = False) -> list[str]:
                      f"{added} added{note}")
         for ch in mine:
             if ch.regression or (timing_lines and ch.kind == "timing"):
-                lines.append(f"  {ch.what} {ch.kind} {ch.path or '(the whole lab)'}: "
+                lines.append(f"  {ch.what} {ch.kind} {_short(ch.path, 120) or '(the whole lab)'}: "
                              f"{_short(ch.old)} -> {_short(ch.new)}")
     return lines
-
-
-def markdown(c: Comparison, base_name: str, run_name: str, plots: dict[tuple[str, str], Path]) -> str:
-    """The report: a table of every lab, then each lab's changes with both values."""
-    head = [f"# Lab metrics: `{run_name}` against `{base_name}`", "",
-            f"**{'REGRESSED' if c.regressed else 'No regression'}**: "
-            f"{sum(ch.regression for ch in c.changes)} regression(s), "
-            f"{sum(ch.kind == 'timing' for ch in c.changes)} timing(s) moved.", "",
-            "| lab | metrics held | regressions | timings moved | added |", "|---|---:|---:|---:|---:|"]
-    for lab in sorted({ch.lab for ch in c.changes} | set(c.held)):
-        mine = [ch for ch in c.changes if ch.lab == lab]
-        head.append(f"| {lab} | {c.held.get(lab, 0)} | {sum(ch.regression for ch in mine)} | "
-                    f"{sum(ch.kind == 'timing' for ch in mine)} | {sum(ch.what == 'added' for ch in mine)} |")
-    body = []
-    for lab in sorted({ch.lab for ch in c.changes}):
-        body += ["", f"## {lab}", "", "| | kind | metric | baseline | this run |", "|---|---|---|---|---|"]
-        for ch in sorted((ch for ch in c.changes if ch.lab == lab), key=lambda ch: (not ch.regression, ch.path)):
-            mark = "**regression**" if ch.regression else ch.what
-            body.append(f"| {mark} | {ch.kind} | `{ch.path}` | {_short(ch.old, 40)} | {_short(ch.new, 40)} |")
-        body += [f"\n![{lab} {path}]({p.as_posix()})" for (lb, path), p in plots.items() if lb == lab]
-    return "\n".join(head + body) + "\n"
-
-
-def plot_series(c: Comparison, folder: Path, most: int = 24) -> dict[tuple[str, str], Path]:
-    """A plot of each numeric per-step series that changed (regressions first), baseline and run on
-    the same axes, in ``folder``; at most ``most`` of them."""
-    series = [ch for ch in sorted(c.changes, key=lambda ch: not ch.regression)
-              if ch.what in ("changed", "moved") and isinstance(ch.old, list) and isinstance(ch.new, list)
-              and len(ch.old) > 1 and all(_is_number(v) for v in ch.old + ch.new)][:most]
-    if not series:
-        return {}
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    folder.mkdir(parents=True, exist_ok=True)
-    out = {}
-    for ch in series:
-        fig, ax = plt.subplots(figsize=(5, 3))
-        ax.plot(ch.old, label="baseline", marker=".")
-        ax.plot(ch.new, label="this run", marker=".", linestyle="--")
-        ax.set_title(f"{ch.lab}: {ch.path}", fontsize=8)
-        ax.set_xlabel("index (step)")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = folder / f"{ch.lab}--{ch.path.replace('/', '.')}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        out[(ch.lab, ch.path)] = path
-    return out
-
-
-def write_report(c: Comparison, base: Path, run: Path, report_dir: Path) -> Path:
-    """``compare.md`` and its plots (in ``compare/``) in ``report_dir``; the markdown's path."""
-    report_dir.mkdir(parents=True, exist_ok=True)
-    plots = plot_series(c, report_dir / "compare")
-    md = report_dir / "compare.md"
-    md.write_text(markdown(c, str(base), str(run), {k: p.relative_to(report_dir) for k, p in plots.items()}))
-    return md
 
 
 def make_baseline(run: Path, profile: str, to: Path) -> list[Path]:
@@ -228,4 +228,6 @@ def make_baseline(run: Path, profile: str, to: Path) -> list[Path]:
     if missing:
         raise ValueError(f"{run}: no metrics for {missing}, which the baseline {to} has; run them first")
     to.mkdir(parents=True, exist_ok=True)
-    return [Path(shutil.copyfile(run / f"{lab}.metrics.json", to / f"{lab}.metrics.json")) for lab in metrics]
+    for lab in metrics:  # written whole, and a link at the name replaced, not written through
+        write_whole(to / f"{lab}.metrics.json", read_regular(Path(run) / f"{lab}.metrics.json"))
+    return [to / f"{lab}.metrics.json" for lab in metrics]

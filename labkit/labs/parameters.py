@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from labkit.core.checks import MAX_COUNT, brief, positive_int
+from labkit.core.checks import MAX_COUNT, brief, brief_path, positive_int
 from labkit.labs.profiles import PROFILES
 
 
@@ -24,9 +24,10 @@ def _gpu_count() -> int:
 def _profile(lab: str, profile: str) -> dict:
     """A copy of ``lab``'s ``profile``, or a ValueError listing what exists."""
     if lab not in PROFILES:
-        raise ValueError(f"lab={lab!r} has no profiles; labs with profiles: {sorted(PROFILES)}")
+        raise ValueError(f"lab={brief_path(lab)} has no profiles; labs with profiles: {sorted(PROFILES)}")
     if profile not in PROFILES[lab]:
-        raise ValueError(f"PROFILE={profile!r} is unknown for lab {lab!r}; valid profiles: {list(PROFILES[lab])}")
+        raise ValueError(f"PROFILE={brief_path(profile)} is unknown for lab {lab!r}; valid profiles: "
+                         f"{list(PROFILES[lab])}")
     return dict(PROFILES[lab][profile])
 
 
@@ -36,12 +37,22 @@ COUNTS = ("steps", "batch_size", "n_layer", "n_head", "n_embd", "block_size", "w
 FRACTIONS = ("dropout",)
 
 
-def check_override(key: str, value: Any, default: Any) -> None:
+def _shown(value: Any) -> str:
+    """A value as a message quotes it: a number briefly, a long list by its start."""
+    text = brief(value) if isinstance(value, (int, float)) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_override(key: str, value: Any, default: Any, name: str = "", whole: Any = None) -> None:
     """A ValueError naming ``key`` unless ``value`` has the type of the profile's ``default`` (an int
     where a float is expected is fine) and a sensible range: counts at least 1, fractions in [0, 1),
-    no negative number where the profile's is not negative."""
+    no negative number where the profile's is not negative. A list's items, and a mapping's values,
+    are held the same way (:func:`_check_items`), here rather than in the kernel papermill starts.
+    ``name`` and ``whole`` (the profile's whole list) are for an item's message."""
+    name = name or f"OVERRIDES[{key!r}]"
+
     def named(kind: str) -> str:
-        return f"OVERRIDES[{key!r}]={brief(value)} must be {kind} (the profile has {default!r})"
+        return f"{name}={_shown(value)} must be {kind} (the profile has {_shown(default if whole is None else whole)})"
 
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if isinstance(default, bool):
@@ -59,6 +70,8 @@ def check_override(key: str, value: Any, default: Any) -> None:
         kinds = {bool: "true or false", int: "a whole number", float: "a number", str: "a string", list: "a list",
                  dict: "a mapping"}
         raise ValueError(named("a whole number" if key in COUNTS else kinds.get(type(default), type(default).__name__)))
+    if isinstance(value, (list, dict)):
+        _check_items(name, value, default)
     if not number:
         return
     if isinstance(value, float) and not math.isfinite(value):
@@ -71,6 +84,33 @@ def check_override(key: str, value: Any, default: Any) -> None:
         raise ValueError(named("at least 0 and below 1"))
     if isinstance(default, (int, float)) and default >= 0 and value < 0:
         raise ValueError(named("at least 0"))
+    if whole is not None and isinstance(default, (int, float)) and default > 0 and value <= 0:
+        raise ValueError(named("above 0, as every one of the profile's is"))  # a world size of 0, 0 steps
+
+
+def _check_items(name: str, value: list | dict, default: list | dict) -> None:
+    """Each item of a list override as the profile's items are (numbers held against the smallest of
+    them: a list of positive world sizes takes no 0; a list of triples takes triples), each value of
+    a mapping as the profile's value of its key, which it must have, every one."""
+    if isinstance(default, dict):
+        if set(value) != set(default):
+            raise ValueError(f"{name} must have the keys {sorted(default)}, got {_shown(sorted(value, key=str))}")
+        for k, v in value.items():
+            check_override("", v, default[k], f"{name}[{k!r}]", default)
+        return
+    if default and not value:
+        raise ValueError(f"{name}=[] must hold at least one item (the profile has {_shown(default)})")
+    numbers = [d for d in default if isinstance(d, (int, float)) and not isinstance(d, bool)]
+    like = (min(numbers) if numbers and len(numbers) == len(default) else default[0]) if default else None
+    if numbers and any(isinstance(d, float) for d in numbers):
+        like = float(like)  # a list of floats takes ints too
+    lengths = {len(d) for d in default if isinstance(d, list)}
+    for i, item in enumerate(value):
+        if isinstance(item, list) and len(lengths) == 1 and len(item) not in lengths:
+            raise ValueError(f"{name}[{i}]={_shown(item)} must hold {lengths.pop()} items, as the profile's do "
+                             f"({_shown(default)})")
+        if like is not None:
+            check_override("", item, like, f"{name}[{i}]", default)
 
 
 def _per_rank_batch(p: dict, world_size: int | None) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from unittest.mock import patch
 
 from labkit.core import progress
+from labkit.core.checks import brief_path
 from labkit.labs.parameters import resolve
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -40,8 +41,9 @@ def check_lab(name: str, profile: str, labs_dir: Path = LABS_DIR, gpus: int | No
               overrides: dict | None = None) -> None:
     """A ValueError naming what exists when ``name`` is not a lab, ``profile`` not one of its profiles
     or an override not one of its parameters."""
-    if not (labs_dir / f"{name}.md").is_file():
-        raise ValueError(f"LAB={name!r} does not exist; valid labs: {list_labs(labs_dir)}")
+    labs = list_labs(labs_dir)
+    if name not in labs:  # asked of the list, not the filesystem: a 5,000-character name is no OSError
+        raise ValueError(f"LAB={brief_path(name)} does not exist; valid labs: {labs}")
     resolve(name, profile, gpus=gpus, **(overrides or {}))  # fail fast, before a kernel starts
 
 

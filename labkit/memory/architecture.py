@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit.core.checks import one_of, positive_count
+from labkit.core.checks import MAX_COUNT, one_of, positive_count
 
 FAMILIES = ("gpt", "llama", "qwen2")
 
@@ -102,6 +102,9 @@ class ModelShape:
                     positive_count("head_dim", head_dim) if head_dim is not None else None)
         tied = (family == "gpt") if tied is None else bool(tied)
         total, active = count_params(shape, tied, attention_bias, mlp_bias)
+        if total > MAX_COUNT:  # each dimension within bounds, their product not: refused here, by name
+            raise ValueError(f"a shape of hidden={hidden}, layers={layers}, vocab={vocab} and intermediate={inter} "
+                             f"holds {total:.3g} parameters; valid: at most {MAX_COUNT:.0e}")
         return cls(total, *(getattr(shape, f) for f in _FIELDS[1:-1]), active if experts > 1 else None)
 
 

@@ -27,6 +27,16 @@ from labkit.planning.memory_report import choose_finetune, report
 from labkit.planning.published import spread
 
 SHAPE_FLAGS = ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "experts", "experts_per_token")
+# The largest value each shape flag takes, and why: far past any model trained, and small enough that
+# a shape within them is counted and searched in seconds (the search's work grows with the layers and
+# the experts: 10,000 layers took minutes), its parameters at most MAX_COUNT (ModelShape.from_dims).
+SHAPE_LIMITS = {"hidden": (10**6, "the widest models trained are about 20,000 wide"),
+                "layers": (1000, "the deepest are about 130 layers"),
+                "heads": (10**6, "heads divide --hidden"), "kv_heads": (10**6, "key/value heads divide --heads"),
+                "intermediate": (10**7, "MLPs are a few times --hidden"),
+                "vocab": (10**7, "the largest vocabularies hold about 256,000 tokens"),
+                "experts": (2 * 10**6, "the most published are about a million, PEER's"),
+                "experts_per_token": (2 * 10**6, "at most --experts")}
 LORA_FLAGS = ("lora_rank", "lora_targets", "lora_dropout")
 
 
@@ -93,9 +103,10 @@ def _check(a) -> None:
     positive_int("--ep", a.ep)
     if a.finetune and (a.cp > 1 or a.ep > 1):
         raise ValueError("--cp and --ep apply to training from scratch here, not to --finetune")
-    for flag in ("seq_len", "lora_rank", *SHAPE_FLAGS):
+    for flag in ("seq_len", "lora_rank"):
         if getattr(a, flag) is not None:
             positive_int("--" + flag.replace("_", "-"), getattr(a, flag))
+    check_shape_flags(a)
     if a.device_gb is not None:
         at_most("--device-gb", positive_number("--device-gb", a.device_gb), 1e6, "a million GB on one device")
     if a.tokens is not None:
@@ -104,6 +115,16 @@ def _check(a) -> None:
     given = [f for f in LORA_FLAGS if getattr(a, f) not in (None, False)]
     if given and a.finetune is None:
         raise ValueError(f"--{given[0].replace('_', '-')} applies to --finetune lora or qlora")
+
+
+def check_shape_flags(a) -> None:
+    """Each shape flag given: a whole number of at least 1 (0 is not "the default") and at most its
+    :data:`SHAPE_LIMITS`; a ValueError naming the flag otherwise."""
+    for flag in SHAPE_FLAGS:
+        if getattr(a, flag) is not None:
+            name = "--" + flag.replace("_", "-")
+            top, why = SHAPE_LIMITS[flag]
+            at_most(name, positive_int(name, getattr(a, flag)), top, why)
 
 
 def _shape(a) -> ModelShape:
@@ -116,11 +137,12 @@ def _shape(a) -> ModelShape:
     missing = [f"--{f}" for f in ("hidden", "layers", "heads") if getattr(a, f) is None]
     if missing:
         raise ValueError(f"a model shape needs --hidden, --layers and --heads; missing: {', '.join(missing)}")
-    experts = a.experts or 1
-    return ModelShape.from_dims(a.family or "llama", a.hidden, a.layers, a.heads, a.vocab or 32000,
-                                a.seq_len or 4096, a.kv_heads, a.intermediate, experts,
-                                a.experts_per_token or min(2, experts), tied=a.tied_embeddings or None,
-                                note="from the shape flags")
+    # `is None`, not `or`: a 0 given is the caller's mistake, refused by the checks, not the default
+    experts = 1 if a.experts is None else a.experts
+    return ModelShape.from_dims(a.family or "llama", a.hidden, a.layers, a.heads, 32000 if a.vocab is None else a.vocab,
+                                4096 if a.seq_len is None else a.seq_len, a.kv_heads, a.intermediate, experts,
+                                min(2, experts) if a.experts_per_token is None else a.experts_per_token,
+                                tied=a.tied_embeddings or None, note="from the shape flags")
 
 
 def _plan(a) -> dict:

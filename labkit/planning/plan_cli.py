@@ -15,7 +15,7 @@ import re
 
 from labkit.core.checks import at_most, positive_count, positive_int, positive_number
 from labkit.core.cli import ArgumentParser
-from labkit.planning.cli import _shape, _shape_flags
+from labkit.planning.cli import _shape, _shape_flags, check_shape_flags
 from labkit.planning.accelerators import accelerator
 from labkit.planning.commands import launch
 from labkit.planning.hardware import HARDWARE, hardware
@@ -91,10 +91,13 @@ def _ranked(a, parser) -> tuple:
             raise ValueError(f"--headroom={a.headroom} must be in [0, 1): the share of memory kept free")
         if a.device_gb is not None:
             at_most("--device-gb", positive_number("--device-gb", a.device_gb), 1e6, "a million GB on one device")
+        check_shape_flags(a)  # the flags by their names, before the shape's own checks name its fields
+        if a.seq_len is not None:
+            positive_count("--seq-len", a.seq_len)
         shape = _shape(argparse.Namespace(**{**vars(a), "model": a.model if any(
             getattr(a, f) is not None for f in ("hidden", "layers", "heads")) else (a.model or "llama3-8b")}))
         if a.seq_len is not None:
-            shape = dataclasses.replace(shape, seq_len=positive_count("--seq-len", a.seq_len))
+            shape = dataclasses.replace(shape, seq_len=a.seq_len)
         batch = tokens(a.global_batch) if a.global_batch is not None else 512 * shape.seq_len
         positive_count("--global-batch" if a.global_batch is not None else "the default --global-batch "
                        "(512 sequences of --seq-len)", batch)
