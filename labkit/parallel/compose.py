@@ -127,8 +127,15 @@ def _data_parallel(placed: Placed, opts: Options, device: torch.device) -> None:
         from labkit.parallel.fsdp import apply_fsdp
 
         expert_mesh = dims.expert_mesh()
-        # FSDP2 keeps the first stage's weights gathered across a pipeline's microbatches (as torchtitan)
-        placed.fsdp_roots = apply_fsdp(placed.parts, dims.dp_mesh(), opts.reshard_after_forward and not opts.pipeline,
+        # Under a pipeline FSDP2 keeps each stage's weights gathered from its first forward to the step's
+        # last backward (torchtitan's default with PP); the schedule gathers and frees whole stages itself.
+        # Needed, not only cheaper: a zero-bubble schedule (zb, zbv, dualpipev) splits a backward into B
+        # and W and, at B, takes the stage's parameters as registered then. Resharded after forward they
+        # were the shards, which the graph never used, and W differentiated nothing: under zbv the last
+        # stage's gradients (tied head included) were None and the middle stages' about half; zb hung
+        # in the tied sum, dualpipev trained wrong.
+        pipelined = opts.pipeline or dims.degrees.pp > 1
+        placed.fsdp_roots = apply_fsdp(placed.parts, dims.dp_mesh(), opts.reshard_after_forward and not pipelined,
                                        opts.cpu_offload, opts.fsdp_bf16, expert_mesh, device)
         # An expert's gradient holds the contributions of every token rank of its EP group; FSDP averaged
         # it over the ranks holding that expert (or left it alone): what is left is a division by ep.

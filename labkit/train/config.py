@@ -60,7 +60,8 @@ class TrainConfig:
     device: str = _f("cpu", "strategy", "cpu (gloo between ranks) or cuda (one GPU per rank, NCCL)", DEVICE_TYPES)
     bucket_cap_mb: float = _f(25.0, "strategy", "ddp, dp_bucketed: MiB of gradients per all-reduce bucket")
     reshard_after_forward: bool = _f(True, "strategy", "fsdp: free each block's gathered parameters after its "
-                                     "forward (ZeRO-3); --no-reshard-after-forward keeps them until backward")
+                                     "forward (ZeRO-3); --no-reshard-after-forward keeps them until backward, "
+                                     "as a pipeline (pp > 1) always does")
     cpu_offload: bool = _f(False, "strategy", "fsdp: keep parameter, gradient and optimizer shards in CPU memory")
     fsdp_bf16: bool = _f(False, "strategy", "fsdp: bf16 parameters for compute, fp32 shards and reductions")
     link_gbps: float = _f(0.0, "strategy", "ddp: emulate a slower link, each bucket's all-reduce held back for its "
