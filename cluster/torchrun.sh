@@ -4,7 +4,8 @@
 #   DEVICE     cuda | cpu (default: cuda when a GPU is visible)
 #   STRATEGY   single | ddp | fsdp | zero1 | zero2 | zero3 | dp_naive | dp_bucketed | zero1_scratch | tp | pp
 #              (default: ddp; tp and pp take --tp, --pp, --microbatches and --schedule after the script name)
-#   STEPS, SEED, METRICS, and any extra flags of `python -m labkit.train` after the script name.
+#   STEPS, SEED, and any extra flags of `python -m labkit.train` after the script name.
+#   METRICS    the run's metrics JSON (default: _build/torchrun/metrics.json in this checkout; never its root)
 #   PYTHON     the Python that has torch and labkit (default: this checkout's .venv/bin/python from
 #              make venv, else python3; checked before anything runs)
 set -euo pipefail
@@ -23,4 +24,4 @@ fi
 exec $PY -m torch.distributed.run --nproc-per-node "$NPROC" \
   --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:0 \
   -m labkit.train --device "$DEVICE" --strategy "${STRATEGY:-ddp}" \
-  --steps "${STEPS:-200}" --seed "${SEED:-0}" --metrics "${METRICS:-metrics.json}" "$@"
+  --steps "${STEPS:-200}" --seed "${SEED:-0}" --metrics "${METRICS:-$LABKIT_ROOT/_build/torchrun/metrics.json}" "$@"

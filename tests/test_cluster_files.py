@@ -438,13 +438,22 @@ def test_lab_and_deepspeed_scripts_stop_early_naming_what_is_missing():
     assert proc.returncode == 2 and "set PYTHON= to the Python that has them" in proc.stderr
 
 
+def test_torchrun_sh_writes_its_metrics_under_build_not_in_the_checkout_root(tmp_path):
+    """`DEVICE=cpu bash cluster/torchrun.sh`, run from the checkout as the README does, left metrics.json in
+    the repository root."""
+    out, argv = _stubbed(["bash", str(ROOT / "cluster" / "torchrun.sh")], tmp_path, DEVICE="cpu",
+                         PYTHON=str(tmp_path / "bin" / "python"))
+    assert out.returncode == 0 and argv[:2] == ["-m", "torch.distributed.run"], out.stderr
+    assert argv[argv.index("--metrics") + 1] == str(ROOT / "_build" / "torchrun" / "metrics.json")
+
+
 @pytest.mark.parametrize("strategy", RECIPE_STRATEGIES)
 def test_train_sbatch_passes_checkpoint_flags_only_where_labkit_can_checkpoint(strategy, tmp_path):
     out, argv = _sbatch("train.sbatch", tmp_path, STRATEGY=strategy)
     assert out.returncode == 0, out.stderr
     python = argv.index(str(tmp_path / "bin" / "python"))  # srun's own options come first
     assert argv[:python] == ["--kill-on-bad-exit=0", "--nodes=2", "--ntasks-per-node=1"]
-    assert argv[python + 1:python + 3] == ["-m", "torch.distributed.run"]
+    assert argv[python + 1:python + 3] == ["-m", "labkit.launch.torchrun"]  # torchrun, quiet on an expected signal
     endpoint = next(a for a in argv if a.startswith("--rdzv-endpoint="))
     assert "--nnodes=2" in argv and endpoint.startswith("--rdzv-endpoint=10.0.0.1:")  # NodeAddr of the head
     cfg = _check_train_argv(argv, strategy, out.stdout, ckpt=str(tmp_path / "ckpt"))
@@ -554,6 +563,15 @@ def test_the_local_slurm_starter_refuses_a_state_directory_it_did_not_make(tmp_p
         out = subprocess.run(["bash", str(start), str(state)], capture_output=True, text=True, timeout=30)
         assert out.returncode == 2 and why in out.stderr, (state, out.stderr)
     assert victim.read_text() == "keep me" and (theirs.stat().st_mode & 0o777) == 0o755
+    # A folder stop.sh left may be started again: start.sh clears what a cluster leaves, by name, and
+    # follows no link doing so; anything else in it is still refused.
+    (planted / "stopped").write_text("planted")
+    (planted / "spool").symlink_to(tmp_path)
+    (planted / "notes.txt").write_text("not start.sh's")
+    out = subprocess.run(["bash", str(start), str(planted)], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "is not empty, and not a folder stop.sh left" in out.stderr, out.stderr
+    assert sorted(p.name for p in planted.iterdir()) == ["notes.txt"] and victim.read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "planted", "theirs", "victim"]
 
 
 def test_the_hub_names_no_admin_and_its_secrets_stay_out_of_git():

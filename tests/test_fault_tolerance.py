@@ -291,6 +291,34 @@ def test_sigterm_in_the_cli_saves_exits_75_and_the_rerun_resumes(tmp_path):
     assert m["start_step"] == pre[0]["step"] and len(m["loss"]) == pre[0]["step"] + 2
 
 
+def test_a_death_signal_to_the_recipes_torchrun_is_one_line_and_the_ranks_still_save(tmp_path):
+    """Slurm stops a job it preempts, cancels or times out with SIGTERM to every process of it, torchrun
+    and its ranks alike; torchrun answered with a SignalException traceback per node. Under
+    ``python -m labkit.launch.torchrun``, as train.sbatch runs it, that is one line, and the ranks save."""
+    log = tmp_path / "steps.jsonl"
+    cmd = [sys.executable, "-m", "labkit.launch.torchrun", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "127.0.0.1:0", "-m", "labkit.train", "--device", "cpu", "--steps", "2000",
+           "--block-size", "16", "--n-layer", "1", "--input-delay-ms", "20", "--checkpoint-dir", str(tmp_path / "ck"),
+           "--step-log", str(log), "--grace-s", "20"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(e["event"] == "step" and e["step"] >= 3 for e in read_log(log)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)  # as Slurm signals a job: every process of it at once
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, (out, err)
+    assert "Traceback" not in err and "SignalException" not in err, err
+    assert "stopped by SIGTERM, as Slurm stops a job it preempts, cancels or times out" in err, err
+    pre = [e for e in read_log(log) if e["event"] == "preempted"]
+    assert len(pre) == 1 and pre[0]["saved"] and pre[0]["signal"] == "SIGTERM"
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(lr_schedule="linear"), r"lr_schedule='linear' is unknown; valid schedules: \['constant', 'cosine'\]"),
     (dict(keep_last=0), "keep_last must be a positive integer"),

@@ -1,9 +1,12 @@
 """The Slurm recipes run for real: a two-node Slurm (munge, slurmctld, two slurmd) on this machine.
 
-cluster/slurm/local/start.sh starts it in a temporary directory and stop.sh leaves nothing running.
+cluster/slurm/local/start.sh starts it in a temporary directory and stop.sh leaves nothing running;
+the fixture runs them as README's block does, and once more on the folder stop.sh left.
 The batch script is the one users submit (cluster/slurm/train.sbatch) with DEVICE=cpu: 2 nodes x 2
-gloo ranks. The early-warning signal is sent with ``scancel --signal=USR1 --batch`` at a chosen
-moment, because Slurm's own ``--signal=B:USR1@T`` timer fires with a granularity of about a minute.
+gloo ranks, submitted as the runbook does, from a checkout (a folder with the checkout's cluster/
+in it) without LABKIT_ROOT or LOG_DIR. The early-warning signal is sent with ``scancel --signal=USR1
+--batch`` at a chosen moment, because Slurm's own ``--signal=B:USR1@T`` timer fires with a
+granularity of about a minute.
 """
 import json
 import os
@@ -41,34 +44,66 @@ def _prerequisites():
         pytest.skip(CANNOT_RUN)
 
 
+START, STOP = ROOT / "cluster/slurm/local/start.sh", ROOT / "cluster/slurm/local/stop.sh"
+LIFECYCLE: dict[str, subprocess.CompletedProcess] = {}  # what start.sh and stop.sh said in the fixture
+
+
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     state = tmp_path_factory.mktemp("slurm")
     # OMP_NUM_THREADS=1, as many clusters set it: the nodes still get every core (nproc alone would
     # report 1, and a job of two tasks per node would wait for ever)
-    subprocess.run([ROOT / "cluster/slurm/local/start.sh", state], check=True, capture_output=True, timeout=60,
-                   env=dict(os.environ, OMP_NUM_THREADS="1"))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    LIFECYCLE["state"] = state
+    # README's start/stop block, then start.sh again on the folder stop.sh left
+    for what, script in (("start", START), ("stop", STOP), ("start again", START)):
+        LIFECYCLE[what] = subprocess.run([script, state], capture_output=True, text=True, timeout=60, env=env)
+    if LIFECYCLE["start again"].returncode != 0:  # that test fails; the others get a cluster in a new folder
+        state = tmp_path_factory.mktemp("slurm")
+        subprocess.run([START, state], check=True, capture_output=True, timeout=60, env=env)
     env = dict(os.environ, SLURM_CONF=str(state / "slurm.conf"))
     try:
         yield env
     finally:
-        subprocess.run([ROOT / "cluster/slurm/local/stop.sh", state], capture_output=True, timeout=60)
+        subprocess.run([STOP, state], capture_output=True, timeout=60)
+
+
+def test_start_and_stop_say_what_they_did_and_start_runs_again_where_stop_left(slurm):
+    state, start, stop, again = (LIFECYCLE[k] for k in ("state", "start", "stop", "start again"))
+    assert again.returncode == 0 and again.stderr == "", again  # it was refused: "STATE_DIR=... is not empty"
+    assert stop.stdout.strip(), stop  # it printed nothing
+    assert start.returncode == 0 and start.stdout.splitlines() == [
+        f"Slurm is up: nodes n1 and n2 on 127.0.0.1, state in {state}: export SLURM_CONF={state}/slurm.conf"], start
+    assert stop.returncode == 0 and stop.stdout.splitlines() == [
+        f"Slurm in {state} stopped: 0 job(s) cancelled; stopped slurmd n1, slurmd n2, slurmctld, munged; "
+        f"start.sh {state} starts it again"], stop
+    assert again.returncode == 0 and again.stdout.splitlines() == [
+        f"Slurm is up: nodes n1 and n2 on 127.0.0.1, state in {state} (a new cluster where stop.sh stopped the "
+        f"last): export SLURM_CONF={state}/slurm.conf"], again
+    assert slurm["SLURM_CONF"] == f"{state}/slurm.conf"
+
+
+def _checkout(workdir: Path) -> Path:
+    """A folder to submit from as the runbook does, from the checkout: it holds the checkout's cluster/."""
+    (workdir / "cluster").symlink_to(ROOT / "cluster")
+    return workdir
 
 
 def _submit(env, workdir: Path, ckpt: Path, extra_env: dict | None = None, wait: bool = False,
             args: tuple[str, ...] = ()) -> str:
-    exports = dict(CKPT_DIR=str(ckpt), DEVICE="cpu", STEPS=str(STEPS), BATCH_SIZE=str(BATCH), SAVE_EVERY="20",
-                   PYTHON=sys.executable, LABKIT_ROOT=str(ROOT), **(extra_env or {}))
+    """The runbook's sbatch command, from the checkout (no LABKIT_ROOT, no LOG_DIR)."""
+    exports = dict(DEVICE="cpu", CKPT_DIR=str(ckpt), PYTHON=sys.executable, STEPS=str(STEPS), BATCH_SIZE=str(BATCH),
+                   SAVE_EVERY="20", **(extra_env or {}))
     cmd = ["sbatch", "--parsable", "--nodes=2", "--export=ALL," + ",".join(f"{k}={v}" for k, v in exports.items())]
     cmd += ["--wait"] if wait else []
-    out = subprocess.run([*cmd, str(SBATCH), "--block-size", str(BLOCK), "--lr", str(LR), *args], env=env, cwd=workdir,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run([*cmd, "cluster/slurm/train.sbatch", "--block-size", str(BLOCK), "--lr", str(LR), *args],
+                         env=env, cwd=workdir, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr + "\n" + _logs(workdir)
     return out.stdout.strip().split(";")[0]
 
 
 def _logs(workdir: Path) -> str:
-    return "\n".join(p.read_text() for p in workdir.glob("*.out"))
+    return "\n".join(p.read_text() for p in sorted({*workdir.glob("*.out"), *workdir.glob("_build/slurm/*.out")}))
 
 
 def _final_model(ckpt: Path) -> dict:
@@ -79,22 +114,34 @@ def _final_model(ckpt: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def uninterrupted(slurm, tmp_path_factory):
-    work = tmp_path_factory.mktemp("job")
-    _submit(slurm, work, work / "ckpt", wait=True)
-    return work
+    work = _checkout(tmp_path_factory.mktemp("job"))
+    job = _submit(slurm, work, work / "_build" / "ckpt", wait=True)
+    return work, job
 
 
 def test_two_node_job_matches_single_process(uninterrupted):
-    m = json.loads((uninterrupted / "ckpt" / "metrics.json").read_text())
+    work, job = uninterrupted
+    m = json.loads((work / "_build" / "ckpt" / "metrics.json").read_text())
     assert m["world_size"] == 4 and m["strategy"] == "ddp" and len(m["loss"]) == STEPS
     ref = train(TrainConfig(steps=STEPS, batch_size=BATCH, lr=LR), GPTConfig(block_size=BLOCK))
     assert np.abs(np.array(m["loss"]) - np.array(ref["loss"])).max() < 1e-5
-    log = _logs(uninterrupted)
+    log = _logs(work)
     assert "on n1 n2, 2 x cpu per node" in log
 
 
+def test_the_jobs_log_goes_under_build_never_the_checkout_root(uninterrupted):
+    """Submitted from the checkout as the runbook does, the job wrote labkit-train-JOB.out into the
+    repository root; its log is _build/slurm/labkit-train-JOB.out, and its first line says so."""
+    work, job = uninterrupted
+    assert sorted(p.name for p in work.iterdir()) == ["_build", "cluster"]
+    log = work / "_build" / "slurm" / f"labkit-train-{job}.out"
+    first = log.read_text().splitlines()[0]
+    assert first.startswith(f"[job] job {job} (requeue 0) on n1 n2, 2 x cpu per node, rendezvous 127.0.0.1:"), first
+    assert first.endswith(f"; checkpoints and metrics in {work}/_build/ckpt; this log: {log}"), first
+
+
 def test_early_signal_checkpoints_requeues_and_resumes_bit_exact(slurm, uninterrupted, tmp_path):
-    ckpt = tmp_path / "ckpt"
+    ckpt = _checkout(tmp_path) / "_build" / "ckpt"
     # each batch waits 200 ms (the numbers are unchanged): the signal, through slurmctld, the batch
     # script and torchrun, reaches the ranks seconds before step 40 however loaded the machine is
     job = _submit(slurm, tmp_path, ckpt, args=("--input-delay-ms", "200"))
@@ -117,18 +164,30 @@ def test_early_signal_checkpoints_requeues_and_resumes_bit_exact(slurm, uninterr
     else:
         pytest.fail("the job did not finish:\n" + _logs(tmp_path))
     log = _logs(tmp_path)
-    assert "USR1 received" in log and "requeueing job" in log and "(restart 1)" in log, log
+    # The log says what happened, one line per event, and nothing that reads as a crash: torchrun's
+    # SignalException tracebacks, srun's "Exited with exit code 1", slurmstepd's "CANCELLED" were there
+    for crash in ("Traceback", "SignalException", "srun: error", "Exited with exit code", "CANCELLED"):
+        assert crash not in log, log
     events = [json.loads(line) for line in steps_log.read_text().splitlines()]
     pre = [e for e in events if e["event"] == "preempted"]
-    assert len(pre) == 1 and pre[0]["saved"] and pre[0]["signal"] == "SIGTERM"
+    assert len(pre) == 1 and pre[0]["saved"] and pre[0]["signal"] == "SIGUSR1"
     stopped = pre[0]["step"]
     assert 5 <= stopped < STEPS
     restored = [e for e in events if e["event"] == "restore"]
     assert [e["step"] for e in restored] == [0, stopped]  # the requeued job resumed where it stopped
-    mine, ref = _final_model(ckpt), _final_model(uninterrupted / "ckpt")
+    said = [line for line in log.splitlines() if line.startswith("[job]")]
+    assert [line.split(",")[0].split(":")[0] for line in said] == [
+        f"[job] job {job} (requeue 0) on n1 n2", "[job] USR1 received", f"[job] requeued job {job}",
+        f"[job] job {job} (requeue 1) on n1 n2", f"[job] resumed from step {stopped} (requeue 1)"], log
+    assert said[1] == "[job] USR1 received: asking the ranks to finish their step, save and stop"
+    assert said[2] == (f"[job] requeued job {job}: the ranks stopped at step {stopped} and saved a checkpoint; "
+                       "requeue 1 resumes there")
+    assert f"preempted by SIGUSR1 at step {stopped}, checkpoint saved, exiting 0 to be requeued" in log  # rank 0
+    ref_dir = uninterrupted[0] / "_build" / "ckpt"
+    mine, ref = _final_model(ckpt), _final_model(ref_dir)
     assert all(np.array_equal(mine[k].numpy(), ref[k].numpy()) for k in ref)  # bit for bit
     m = json.loads((ckpt / "metrics.json").read_text())
-    assert m["loss"] == json.loads((uninterrupted / "ckpt" / "metrics.json").read_text())["loss"]
+    assert m["loss"] == json.loads((ref_dir / "metrics.json").read_text())["loss"]
 
 
 def test_every_sbatch_directive_is_accepted_by_slurm(slurm, tmp_path):

@@ -17,8 +17,10 @@ requeues on that code::
     if [ "$rc" -eq 75 ]; then scontrol requeue "$SLURM_JOB_ID"; fi
 
 Under torchrun the workers exit with 75, but torchrun itself reports any worker failure as exit
-code 1: a batch script around torchrun should requeue when it forwarded the signal itself (its
-own ``trap``), and can read the ``preempted`` event in the run's ``--step-log``.
+code 1 (and restarts the workers under ``--max-restarts``): a batch script around torchrun should
+requeue when it forwarded the signal itself (its own ``trap``), and can read the ``preempted``
+event in the run's ``--step-log``. ``cluster/slurm/train.sbatch`` does both, and runs torchrun as
+:mod:`labkit.launch.torchrun`, under which a preempted rank exits 0 (``LABKIT_PREEMPTED_EXIT_CODE``).
 """
 from __future__ import annotations
 

@@ -5,7 +5,9 @@
 
 Every flag is a :class:`~labkit.train.config.TrainConfig` or :class:`~labkit.core.model.GPTConfig`
 field, grouped as ``--help`` shows. A bad value ends the run with one line, ``error: ...``, and exit
-status 2, on every rank, before training starts; a run that finishes exits 0, one preempted 75.
+status 2, on every rank, before training starts; a run that finishes exits 0, one preempted 75
+(``LABKIT_PREEMPTED_EXIT_CODE`` sets another: ``python -m labkit.launch.torchrun`` sets 0, because
+torchrun counts any other status as a failure and restarts the ranks under ``--max-restarts``).
 """
 from __future__ import annotations
 
@@ -192,15 +194,23 @@ def main(argv: list[str] | None = None) -> int:
         leave_group(clean=False)
         raise
     leave_group()
-    preempted = result["preempted"] is not None
+    preempted = result["preempted"]
+    code = _preempted_exit_code() if preempted else 0
     if rank == 0:
         print(f"{tc.strategy} on {world} rank(s): steps {result['start_step']}..{len(result['loss'])}, loss "
               f"{result['loss'][0]:.4f} -> {result['loss'][-1]:.4f} in {sum(result['step_time_s']):.2f} s"
-              + (f"; preempted by {result['preempted']['signal']}, exiting {REQUEUE_EXIT_CODE} to be requeued"
+              + (f"; preempted by {preempted['signal']} at step {preempted['step']}, "
+                 f"{'checkpoint saved' if preempted['saved'] else 'no time to save'}, exiting {code} to be requeued"
                  if preempted else ""))
         if args["metrics"]:
             out = Path(args["metrics"])
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps({"config": asdict(tc), **result}, indent=1))
             print(f"metrics written to {out}")
-    return REQUEUE_EXIT_CODE if preempted else 0
+    return code
+
+
+def _preempted_exit_code() -> int:
+    """75 (EX_TEMPFAIL), or ``LABKIT_PREEMPTED_EXIT_CODE`` when it is an exit status (0 to 255)."""
+    value = os.environ.get("LABKIT_PREEMPTED_EXIT_CODE", "")
+    return int(value) if re.fullmatch(r"[0-9]{1,3}", value) and int(value) <= 255 else REQUEUE_EXIT_CODE

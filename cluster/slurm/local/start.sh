@@ -4,6 +4,11 @@
 #   cluster/slurm/local/start.sh STATE_DIR     then: export SLURM_CONF=STATE_DIR/slurm.conf
 #   cluster/slurm/local/stop.sh STATE_DIR      stops every daemon it started
 #
+# STATE_DIR is new, empty, or one that stop.sh left (it holds `stopped`): start.sh then removes what
+# the last cluster left there (its logs, its jobs' state) and starts a new one. Each script prints one
+# line saying what it did; the daemons' logs are STATE_DIR/*.log, the jobs' logs wherever the job
+# script puts them (cluster/slurm/*.sbatch: _build/slurm/ in the checkout).
+#
 # Debian's slurm-wlm (22.05) and munge, run without systemd or cgroups: one munged, one
 # slurmctld and two slurmd (n1, n2) on 127.0.0.1, every file inside STATE_DIR. Needs root (slurmd
 # launches jobs as their user). On a real cluster none of this is needed: use cluster/slurm/*.sbatch.
@@ -20,8 +25,19 @@ if [ -e "$STATE" ] || [ -L "$STATE" ]; then
     exit 2
   fi
   chmod 700 "$STATE"  # first: from here on only root can add entries
+  if [ -f "$STATE/slurmctld.pid" ] && kill -0 "$(cat "$STATE/slurmctld.pid")" 2>/dev/null; then
+    echo "start.sh: a cluster is running in STATE_DIR=$STATE (export SLURM_CONF=$STATE/slurm.conf); stop it first: stop.sh $STATE" >&2
+    exit 2
+  fi
+  if [ -f "$STATE/stopped" ]; then
+    # What a cluster that stop.sh stopped leaves, by name (rm does not follow links); anything else stays
+    # and is refused below.
+    rm -rf -- "$STATE"/{ctld,spool,stopped,slurm.conf,munge.key,munge.socket,munge.socket.lock} \
+              "$STATE"/munged.{pid,log,seed} "$STATE"/slurmctld.{pid,log} "$STATE"/slurmd.*.{pid,log}
+    AGAIN=" (a new cluster where stop.sh stopped the last)"
+  fi
   if [ -n "$(ls -A "$STATE")" ]; then
-    echo "start.sh: STATE_DIR=$STATE is not empty; pass a new path (start.sh creates it)" >&2
+    echo "start.sh: STATE_DIR=$STATE is not empty, and not a folder stop.sh left; pass a new path (start.sh creates it)" >&2
     exit 2
   fi
 else
@@ -87,7 +103,7 @@ slurmd -f "$SLURM_CONF" -N n1
 slurmd -f "$SLURM_CONF" -N n2
 for _ in $(seq 60); do
   if [ "$(sinfo -h -o '%T' -N 2>/dev/null | grep -c -E '^idle')" = 2 ]; then
-    echo "Slurm is up: export SLURM_CONF=$SLURM_CONF"
+    echo "Slurm is up: nodes n1 and n2 on 127.0.0.1, state in $STATE${AGAIN:-}: export SLURM_CONF=$SLURM_CONF"
     exit 0
   fi
   sleep 0.5
