@@ -154,9 +154,18 @@ def test_lab_runner_bad_values_are_one_line(capsys, argv):
     (["run", "memory", "-p", "sizes=[[2, 64]]"], "OVERRIDES['sizes'][0]=[2, 64] must hold 3 items"),
     (["run", "activation_checkpointing", "-p", "policies=[1]"], "OVERRIDES['policies'][0]=1 must be a string"),
     (["run", "composing", "-p", 'layout_3d={"tp": 2}'], "OVERRIDES['layout_3d'] must have the keys"),
+    # issue 44, item 6: a parameter the lab does not read, and a choice that does not exist
+    (["run", "composing", "-p", "world_size=3"], "unknown keys ['world_size']; valid keys: ['batch_size'"),
+    (["run", "composing", "-p", "precision=fp9"], "'fp9' is not one of ['fp32', 'bf16', 'fp16'"),
+    (["run", "inside_device", "-p", 'fp8_precisions=["fp32", "fp7"]'], "'fp7' is not one of"),
+    (["run", "activation_checkpointing", "-p", 'policies=["every:x"]'], "k in 'every:k' must be a positive"),
+    (["run", "communication", "-p", 'ops=["all_reduce", "allreduce"]'], "'allreduce' is not one of"),
+    (["run", "pipeline_parallel", "-p", "plan_model=gpt5"], "'gpt5' is not one of"),
+    (["profiles", "nosuch"], "does not exist"),
 ], ids=["--out empty", "a 5,000-character lab", "resolve a 5,000-character lab", "a list item 0",
         "a list item a word", "a list item a fraction", "an empty list", "a triple of two", "a list item not a string",
-        "a mapping short of keys"])
+        "a mapping short of keys", "a parameter the lab does not read", "a precision", "an fp8 precision",
+        "a recompute policy", "a collective", "a model", "profiles of no lab"])
 def test_lab_runner_refuses_in_one_line_before_any_lab_runs(capsys, monkeypatch, tmp_path, argv, words):
     """Issue 43, item 11: checked before papermill starts a kernel, and nothing written where it runs."""
     import labkit.labs.cli as cli
@@ -165,6 +174,23 @@ def test_lab_runner_refuses_in_one_line_before_any_lab_runs(capsys, monkeypatch,
     monkeypatch.setattr(cli, "run_labs", lambda *a, **kw: pytest.fail(f"a lab ran: {a} {kw}"))
     assert words in _one_line_error(capsys, labs_main, argv)
     assert not list(tmp_path.iterdir())
+
+
+def test_profiles_of_a_lab_print_as_a_table_and_a_run_says_what_it_changed(capsys, monkeypatch, tmp_path):
+    import labkit.labs.runner as runner
+
+    assert labs_main(["profiles", "memory"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0] == "memory:" and [c.strip() for c in table[1].split("|")[1:-1]] == ["parameter", "cpu", "ci", "gpu"]
+    assert any(line.startswith("| mp_steps ") for line in table)
+
+    def fake(name, src, out_nb, parameters):  # the lab as papermill would leave it: its metrics written
+        (out_nb.parent / parameters["METRICS_PATH"]).write_text("{}")
+        out_nb.write_text("{}")
+
+    monkeypatch.setattr(runner, "_execute_notebook", fake)
+    assert labs_main(["run", "memory", "--profile", "ci", "-p", "mp_steps=3", "--out", str(tmp_path)]) == 0
+    assert "executing with PROFILE='ci', mp_steps=3 (the profile's: 16)" in capsys.readouterr().out
 
 
 def test_can_checkpoint_asks_the_registry(capsys):

@@ -40,6 +40,15 @@ def test_every_lab_has_profiles_and_a_parameters_cell():
         assert len(params) == 1 and 'PROFILE = "cpu"' in params[0].source, name
 
 
+def test_every_lab_reads_every_parameter_of_its_profile(lab_metrics):
+    """A parameter a lab never reads is one `-p` would change to no effect (issue 44: `-p
+    world_size=3` on composing ran 8 and 16 ranks and recorded 3): each lab's ci run read them all."""
+    unread = {name: m["params_unread"] for name, m in lab_metrics.items() if m.get("params_unread")}
+    assert not unread, unread
+    assert all("params_unread" in m for m in lab_metrics.values()), [n for n, m in lab_metrics.items()
+                                                                     if "params_unread" not in m]
+
+
 def test_data_parallel_lab_metrics(lab_metrics):
     m = lab_metrics["data_parallel"]
     P = m["params"]
@@ -596,8 +605,9 @@ def test_finetuning_lab_metrics(lab_metrics):
 def test_composing_lab_metrics(lab_metrics):
     m = lab_metrics["composing"]
     P = m["params"]
-    assert m["profile"] == "ci" and P["world_size"] == 8 and P["world_4d"] == 16
+    assert m["profile"] == "ci" and "world_size" not in P  # the ranks are the layouts' (issue 44, item 6)
     lay = m["layout_3d"]
+    assert lay["degrees"]["tp"] * lay["degrees"]["pp"] * lay["degrees"]["dp_shard"] == 8
     assert {k: v for k, v in lay["degrees"].items() if v > 1} == P["layout_3d"]
     assert len(lay["loss"]) == len(lay["loss_single"]) == P["steps"]
     assert lay["loss_diff"] < 1e-5 and lay["param_diff"] < 1e-4  # fp32: one process's steps

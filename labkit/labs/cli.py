@@ -113,7 +113,9 @@ def _parser() -> ArgumentParser:
     rs.add_argument("--gpus", type=int, default=None, help="GPUs to plan a gpu profile for (default: those found)")
     sub.add_parser("list", help="list the labs")
     sub.add_parser("port", help="print a TCP port that is free on this host now (for a rendezvous)")
-    sub.add_parser("profiles", help="print every lab's profiles")
+    pr = sub.add_parser("profiles", help="print a lab's profiles as a table (every lab's without LAB)")
+    pr.add_argument("lab", nargs="?", default=None)
+    pr.add_argument("--json", action="store_true", help="the profiles as JSON, as labkit.labs.profiles has them")
     f = sub.add_parser("flags", help="print the labkit.train flags of a lab's profile (for batch scripts)")
     f.add_argument("lab")
     f.add_argument("profile")
@@ -134,6 +136,20 @@ def _parser() -> ArgumentParser:
     b.add_argument("--profile", default="ci", help="the profile every lab in it ran (default: ci)")
     b.add_argument("--to", default=None, help="the baseline folder (default: labs/baseline/PROFILE)")
     return ap
+
+
+def profile_table(lab: str) -> str:
+    """``lab``'s profiles side by side, a row per parameter (what ``-p`` may change), in markdown."""
+    from labkit.labs.param_choices import shown
+
+    profiles = PROFILES[lab]
+    keys = sorted({k for p in profiles.values() for k in p})
+    rows = [[k, *(shown(p[k]) if k in p else "" for p in profiles.values())] for k in keys]
+    head = ["parameter", *profiles]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([f"{lab}:", line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+                      *map(line, rows)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,7 +189,13 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     if args.cmd == "profiles":
-        print(json.dumps(PROFILES, indent=1))
+        try:
+            labs = [args.lab] if args.lab is not None else list(PROFILES)
+            check_lab(labs[0], "cpu")
+        except ValueError as e:
+            ap.error(str(e))
+        print(json.dumps({lab: PROFILES[lab] for lab in labs}, indent=1) if args.json
+              else "\n\n".join(profile_table(lab) for lab in labs))
         return 0
     try:
         overrides = {key: parse_value(value) for key, value in args.parameter}

@@ -12,7 +12,39 @@ import math
 from typing import Any
 
 from labkit.core.checks import MAX_COUNT, brief, brief_path, positive_int
+from labkit.labs.param_choices import check_choice
+from labkit.labs.param_choices import shown as _shown
 from labkit.labs.profiles import PROFILES
+
+
+class Params(dict):
+    """A lab's parameters that remember which of its profile's keys the lab read: a key it never reads
+    is one a reader could change (``-p``) to no effect, so the lab's metrics name those
+    (``params_unread``) and the suite holds that list empty (tests/test_labs.py). Printing them all
+    (``P.items()``) is not reading them."""
+
+    def __init__(self, values: dict, declared: dict) -> None:
+        super().__init__(values)
+        self.declared, self.read = set(declared), set()
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(key)
+        return super().__contains__(key)
+
+    def __iter__(self):  # dict(P) and {**P} then go through __getitem__, and count as reads
+        return iter(list(self.keys()))
+
+    def unread(self) -> list[str]:
+        """The profile's keys the lab has not read."""
+        return sorted(self.declared - self.read)
 
 
 def _gpu_count() -> int:
@@ -35,12 +67,6 @@ def _profile(lab: str, profile: str) -> dict:
 COUNTS = ("steps", "batch_size", "n_layer", "n_head", "n_embd", "block_size", "world_size", "microbatches",
           "grad_accum", "vocab_size", "gpus")
 FRACTIONS = ("dropout",)
-
-
-def _shown(value: Any) -> str:
-    """A value as a message quotes it: a number briefly, a long list by its start."""
-    text = brief(value) if isinstance(value, (int, float)) else repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def check_override(key: str, value: Any, default: Any, name: str = "", whole: Any = None) -> None:
@@ -72,6 +98,8 @@ def check_override(key: str, value: Any, default: Any, name: str = "", whole: An
         raise ValueError(named("a whole number" if key in COUNTS else kinds.get(type(default), type(default).__name__)))
     if isinstance(value, (list, dict)):
         _check_items(name, value, default)
+    if key and isinstance(value, (str, list)):
+        check_choice(name, key, value)
     if not number:
         return
     if isinstance(value, float) and not math.isfinite(value):
@@ -209,9 +237,9 @@ def resolve(lab: str, profile: str = "cpu", gpus: int | None = None, **overrides
         fit_to_gpus(lab, p, n or 1)
     elif isinstance(p.get("world_size"), int):
         p["multi_rank"] = p["world_size"] >= 2
-    _per_rank_batch(p, p.get("world_size"))
+    _per_rank_batch(p, p.get("world_size") or p.get("gpus"))
     p.update(overrides)
-    return p
+    return Params(p, declared=_profile(lab, profile))
 
 
 def profile_world_size(lab: str, profile: str) -> int:

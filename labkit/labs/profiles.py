@@ -226,17 +226,17 @@ PROFILES["fault_tolerance"] = {
 # small GPT on 8 devices whose memory only a composed layout fits (plan_*), run as printed.
 _PLAN = dict(plan_hidden=64, plan_layers=4, plan_heads=4, plan_devices=8, plan_micro_batch=1)
 PROFILES["composing"] = {
-    "cpu": dict(**FP32, **_PLAN, device="cpu", world_size=8, layout_3d={"tp": 2, "pp": 2, "dp_shard": 2},
-                world_4d=16, layout_4d={"tp": 2, "cp": 2, "pp": 2, "dp_shard": 2}, steps=20, steps_4d=10,
+    "cpu": dict(**FP32, **_PLAN, device="cpu", layout_3d={"tp": 2, "pp": 2, "dp_shard": 2},
+                layout_4d={"tp": 2, "cp": 2, "pp": 2, "dp_shard": 2}, steps=20, steps_4d=10,
                 batch_size=16, microbatches=4, lr=1e-3, seed=0, n_layer=4, n_head=4, n_embd=64, block_size=64,
                 plan_seq_len=512, plan_device_gb=0.0025, plan_steps=3),
-    "ci": dict(**FP32, **_PLAN, device="cpu", world_size=8, layout_3d={"tp": 2, "pp": 2, "dp_shard": 2},
-               world_4d=16, layout_4d={"tp": 2, "cp": 2, "pp": 2, "dp_shard": 2}, steps=4, steps_4d=2,
+    "ci": dict(**FP32, **_PLAN, device="cpu", layout_3d={"tp": 2, "pp": 2, "dp_shard": 2},
+               layout_4d={"tp": 2, "cp": 2, "pp": 2, "dp_shard": 2}, steps=4, steps_4d=2,
                batch_size=8, microbatches=2, lr=1e-3, seed=0, n_layer=2, n_head=4, n_embd=32, block_size=32,
                plan_seq_len=128, plan_device_gb=0.001, plan_steps=2),
     # GPT-2 small's shape at context 1024 on the node's GPUs, the 3-D layout fitted to them (the 4-D one
     # needs 16); the plan for the same model on 8 GPUs of 80 GB at a 32k context.
-    "gpu": dict(**BF16_TF32, device="cuda", world_size="all", layout_3d="fit", world_4d=16,
+    "gpu": dict(**BF16_TF32, device="cuda", layout_3d="fit",
                 layout_4d={"tp": 2, "cp": 2, "pp": 2, "dp_shard": 2}, steps=50, steps_4d=20,
                 batch_size="8 per rank", microbatches=4, lr=6e-4, seed=0, n_layer=12, n_head=12, n_embd=768,
                 block_size=1024, plan_hidden=768, plan_layers=12, plan_heads=12, plan_devices=8, plan_micro_batch=1,

@@ -106,6 +106,10 @@ def write_metrics(path: str | Path, **fields: Any) -> Path:
     ``"recorded"``, every value the lab recorded for the text."""
     path = Path(path)
     fields.setdefault("environment", environment())
+    for name, value in list(fields.items()):  # a lab's parameters (labkit.labs.parameters.Params)
+        if callable(getattr(value, "unread", None)):
+            fields["params_unread"] = value.unread()
+            fields[name] = dict.copy(value)  # written as data, not counted as read
     path.write_text(json.dumps({**fields, "recorded": recorded()}, indent=1, default=str))
     print(f"wrote {path}")
     return path

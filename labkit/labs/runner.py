@@ -21,6 +21,7 @@ from unittest.mock import patch
 from labkit.core import progress
 from labkit.core.checks import brief_path
 from labkit.labs.parameters import resolve
+from labkit.labs.profiles import PROFILES
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 LABS_DIR = ROOT / "labs"
@@ -59,30 +60,46 @@ def _execute_notebook(name: str, src: Path, out_nb: Path, parameters: dict) -> N
     import jupytext
     import papermill as pm
 
+    LocalSocketKernelManager = _local_socket_manager()
     def execute() -> None:
         # The kernel inherits this environment: an executed notebook (a page of the book) keeps no bars.
         with patch.dict(os.environ, {progress.ENV: "0", **pinned_threads(parameters["PROFILE"])}):
             pm.execute_notebook(
                 jupytext.read(src), str(out_nb), kernel_name=_kernel_name(), cwd=str(out_nb.parent),
                 parameters=parameters, progress_bar=sys.stdout.isatty(), log_output=False,
-                request_save_on_cell_execute=False,
+                request_save_on_cell_execute=False, kernel_manager_class=LocalSocketKernelManager,
             )
 
     try:
-        try:
-            execute()
-        except RuntimeError as e:
-            # The kernel binds ports its client picked moments before; on a busy machine another
-            # process may take one in between, and the kernel dies at start: once more.
-            if "Kernel died before replying to kernel_info" not in str(e):
-                raise
-            print(f"[labs] {name}: the kernel died at start ({e}); starting it again", flush=True)
-            execute()
+        execute()
     except pm.PapermillExecutionError as e:
         raise RuntimeError(
             f"lab {name!r} failed in cell {e.exec_count} ({e.ename}: {e.evalue}); "
             f"the partly executed notebook is at {out_nb}"
         ) from None
+
+
+def _local_socket_manager():
+    """jupyter_client's AsyncKernelManager on unix sockets in a private folder (ZeroMQ ``ipc``): no
+    TCP port for the kernel to lose to another process between the client's pick and its bind, and
+    no plain-text TCP, of which ipykernel warns at every start."""
+    import shutil
+    import tempfile
+
+    from jupyter_client.manager import AsyncKernelManager
+
+    class Manager(AsyncKernelManager):
+        async def _async_pre_start_kernel(self, **kw):
+            self._box = tempfile.mkdtemp(prefix="labkit-kernel-")
+            self.transport, self.ip = "ipc", os.path.join(self._box, "kernel")
+            return await super()._async_pre_start_kernel(**kw)
+
+        async def _async_cleanup_resources(self, restart: bool = False) -> None:
+            await super()._async_cleanup_resources(restart=restart)
+            if not restart:
+                shutil.rmtree(getattr(self, "_box", ""), ignore_errors=True)
+
+    return Manager
 
 
 def pinned_threads(profile: str) -> dict[str, str]:
@@ -126,7 +143,9 @@ def run_lab(name: str, profile: str, out_dir: Path = OUT_DIR, force: bool = Fals
     stamp.unlink(missing_ok=True)
     metrics.unlink(missing_ok=True)
     how = " as a script" if as_script else ""
-    print(f"[labs] {name}: executing{how} with PROFILE={profile!r} ...", flush=True)
+    base = PROFILES.get(name, {}).get(profile, {})
+    changed = "".join(f", {k}={v!r} (the profile's: {base.get(k)!r})" for k, v in (overrides or {}).items())
+    print(f"[labs] {name}: executing{how} with PROFILE={profile!r}{changed} ...", flush=True)
     t0 = time.perf_counter()
     if as_script:
         import torch
