@@ -9,6 +9,8 @@ import torch
 from tp_pp_fns import one_thread
 from labkit.launch import launch
 from labkit.core.model import GPT, GPTConfig, build_model
+from labkit.parallel.checks import check_layout
+from labkit.parallel.mesh import Degrees
 from labkit.parallel.pipeline_parallel import GPTStage, Split, check_pp, schedule_order, stage_bounds, stage_params
 from labkit.parallel.pipeline_timeline import ActivationMeter, Event, bubble_formula, bubble_fraction
 from labkit.train import TrainConfig, train, train_many
@@ -203,6 +205,17 @@ def test_bad_pipeline_shapes_are_clear_errors():
     with pytest.raises(ValueError, match=r"'interleaved' needs torch pipelining \(strategy 'pp'\)"):
         TrainConfig(strategy="pp_scratch", pp_schedule="interleaved")
     check_pp(2, 4, 6, "interleaved")  # 3 rounds of 2
+    # DualPipeV's V holds 2 pp stages and torch wants a microbatch for each, said only once the
+    # schedule was built on every rank ('DualPipeV requires at least as many microbatches as stages')
+    for pp, m in ((2, 2), (2, 3), (4, 6)):
+        with pytest.raises(ValueError, match=rf"pp_schedule='dualpipev' needs at least as many microbatches as "
+                                             rf"stages: --microbatches {m} < {2 * pp} \(2 x pp={pp}\); use "
+                                             rf"--microbatches {2 * pp} or more"):
+            check_pp(pp, 8, m, "dualpipev")
+    with pytest.raises(ValueError, match=r"--microbatches 2 < 4 \(2 x pp=2\)"):  # the loop's layout check
+        check_layout(Degrees(pp=2), MODEL, 8, 2, "dualpipev")
+    check_pp(2, 4, 4, "dualpipev")
+    check_pp(2, 4, 2, "zbv")  # ZB-V fills in the microbatches it lacks itself
     check_pp(2, 4, 1, "gpipe")  # GPipe runs with one microbatch (no pipelining, all bubble)
     # stages a rank and uneven ends
     with pytest.raises(ValueError, match=r"pp_stages_per_rank=3 applies to the schedules that hold any number"):

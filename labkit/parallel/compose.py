@@ -92,7 +92,8 @@ def parallelize(model: GPT, dims: ParallelDims, opts: Options, device: torch.dev
 
         placed.pipeline = Pipeline(parts, placed.module, *pipeline_args, device=device, schedule=opts.pp_schedule,
                                    microbatches=opts.microbatches, micro_shape=_micro_shape(model, dims, opts),
-                                   precision=opts.precision, impl=opts.pp_impl)
+                                   precision=opts.precision, impl=opts.pp_impl,
+                                   param_dtype=torch.bfloat16 if opts.fsdp_bf16 and placed.fsdp_roots else None)
         placed.tied = _tied_copy(placed)
     return placed
 

@@ -50,6 +50,9 @@ class GPTStage(nn.Module):
             self.ln_f, self.head = model.ln_f, model.head
         self.config = model.config
         self.positions: torch.Tensor | None = None  # as GPT.positions: context parallelism's zig-zag
+        # The dtype the stage hands on (activations, or the last stage's logits): what the pipeline's
+        # receive buffers were declared with (build_schedule). None: whatever the layers computed.
+        self.out_dtype: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
@@ -57,12 +60,15 @@ class GPTStage(nn.Module):
             x = self.drop(self.wte(x) + self.wpe(pos))
         for block in self.blocks.values():
             x = block(x)
-        return self.head(self.ln_f(x)) if self.last else x
+        out = self.head(self.ln_f(x)) if self.last else x
+        return out if self.out_dtype in (None, out.dtype) else out.to(self.out_dtype)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The GPT's loss: mean cross-entropy over a microbatch's tokens."""
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+    """The GPT's loss: mean cross-entropy over a microbatch's tokens, in fp32 (as autocast computes it)
+    whatever the logits' dtype: bf16 logits (FSDP2's bf16 parameters) would round the loss itself to
+    bf16, 0.03 apart near 5, and hand the other stages a bf16 loss where they hold fp32."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
 
 
 def schedule_order(schedule: str, p: int, s: int, m: int) -> list[tuple[str, int]]:
@@ -192,7 +198,8 @@ class RankStages(nn.Module):
 
 def build_schedule(stages: list[GPTStage], n_stages: int, device: torch.device, timeline: Timeline,
                    microbatches: int, schedule: str, micro_shape: tuple[int, int, int, int, int],
-                   logits_dtype: torch.dtype, loss_fn, group: dist.ProcessGroup | None = None):
+                   logits_dtype: torch.dtype, loss_fn, group: dist.ProcessGroup | None = None,
+                   act_dtype: torch.dtype = torch.float32):
     """``torch.distributed.pipelining``'s schedule over this rank's stages, each a :class:`TimedStage`.
 
     ``micro_shape`` is (rows, tokens, tokens between stages, hidden, vocab) of one microbatch (the
@@ -200,6 +207,11 @@ def build_schedule(stages: list[GPTStage], n_stages: int, device: torch.device, 
     (static mode). Without them a stage infers them on the first step and, measured here, keeps 0.7
     of a microbatch's saved activations alive on stage 0 for the rest of the run; with them the
     activation peaks equal the hand-written pipeline's exactly. ``group``: the pipeline's ranks.
+
+    ``act_dtype`` and ``logits_dtype``: what the stages hand on, the activations (and their gradients)
+    and the last stage's logits. Each stage casts its output to them (:attr:`GPTStage.out_dtype`): a
+    receive buffer is filled with the bytes the other stage sent, unchecked, so bf16 sent into an fp32
+    buffer trains on garbage (FSDP2's bf16 parameters did: loss 4.6e-41 at step 0, NaN weights after).
     """
     import inspect
 
@@ -217,12 +229,17 @@ def build_schedule(stages: list[GPTStage], n_stages: int, device: torch.device, 
     grads = "output_grads" in inspect.signature(pipelining.PipelineStage.__init__).parameters
 
     def kwargs(m: GPTStage) -> dict:
-        out = {"input_args": meta(mb, T, dtype=torch.long) if m.first else meta(mb, S, C),
-               "output_args": meta(mb, T, V, dtype=logits_dtype) if m.last else meta(mb, S, C)}
+        def act():
+            return meta(mb, S, C, dtype=act_dtype)
+
+        out = {"input_args": meta(mb, T, dtype=torch.long) if m.first else act(),
+               "output_args": meta(mb, T, V, dtype=logits_dtype) if m.last else act()}
         if grads:
-            out.update(output_grads=None if m.last else meta(mb, S, C), input_grads=None if m.first else meta(mb, S, C))
+            out.update(output_grads=None if m.last else act(), input_grads=None if m.first else act())
         return out
 
+    for m in stages:
+        m.out_dtype = logits_dtype if m.last else act_dtype
     timed = [TimedStage(m, m.index, n_stages, device, group=group, timeline=timeline, **kwargs(m)) for m in stages]
     cls = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
            "interleaved": pipelining.ScheduleInterleaved1F1B, "zb": pipelining.ScheduleInterleavedZeroBubble,

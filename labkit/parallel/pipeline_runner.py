@@ -23,21 +23,25 @@ class Pipeline:
     ``micro_shape``: (rows, tokens, tokens between stages, hidden, vocab) of one microbatch.
     ``impl``: ``"torch"`` (``torch.distributed.pipelining``) or ``"scratch"`` (the hand-written
     schedules, one stage per rank). ``precision`` sets the logits' dtype the last stage sends back.
+    ``param_dtype``: the dtype FSDP2's mixed precision computes in (bf16 under ``fsdp_bf16``): the stages
+    then hand on that dtype, activations and logits alike; None: fp32 activations, autocast's logits.
     """
 
     def __init__(self, stages: list[pipe.GPTStage], module: nn.Module, n_stages: int, pp_rank: int, pp: int,
                  group, device: torch.device, schedule: str, microbatches: int, micro_shape: tuple,
-                 precision: str, impl: str = "torch") -> None:
+                 precision: str, impl: str = "torch", param_dtype: torch.dtype | None = None) -> None:
         self.stages, self.module, self.pp, self.impl = stages, module, pp, impl
         self.schedule_name, self.microbatches, self.micro_shape, self.group = schedule, microbatches, micro_shape, group
         self.meter = ActivationMeter(module)
         self.timeline = Timeline(pp_rank, device, self.meter)
         self.device, self.loss_scale, self.scaled = device, 1.0, False
-        self.act_dtype = torch.float32
+        # autocast keeps the residual stream in fp32 (its adds take the fp32 input) and returns the head's
+        # logits in its own dtype; FSDP2's bf16 parameters compute every layer, the adds too, in bf16
+        self.act_dtype = param_dtype or torch.float32
+        logits = param_dtype or AUTOCAST.get(precision, torch.float32)
         if impl == "torch":
-            logits = AUTOCAST.get(precision, torch.float32)  # what autocast's head returns
             self.schedule = pipe.build_schedule(stages, n_stages, device, self.timeline, microbatches, schedule,
-                                                micro_shape, logits, self._loss, group)
+                                                micro_shape, logits, self._loss, group, self.act_dtype)
 
     @property
     def first(self) -> pipe.GPTStage | None:

@@ -89,6 +89,13 @@ def check_pp(pp: int, n_layer: int, microbatches: int, schedule: str, batch_size
         raise ValueError(f"pp={pp} with pp_schedule={schedule!r} needs {stages} stages but the model has "
                          f"n_layer={n_layer} layers; use pp <= {n_layer // split.v} or more layers")
     split.bounds(n_layer, pp)  # the first and last stage can give up that many layers
+    # torch's own rules, checked when it builds the schedule (after the ranks have started): 1F1B needs
+    # microbatches >= stages; DualPipeV, whose V holds 2 pp stages, as many microbatches as stages
+    # (ZB-V pads fewer itself; the interleaved ones need whole rounds, below). The others here need
+    # microbatches >= pp too, or a stage has nothing to alternate.
+    if schedule == "dualpipev" and microbatches < stages:
+        raise ValueError(f"pp_schedule='dualpipev' needs at least as many microbatches as stages: --microbatches "
+                         f"{microbatches} < {stages} (2 x pp={pp}); use --microbatches {stages} or more")
     if schedule != "gpipe" and microbatches < pp:
         raise ValueError(f"pp_schedule={schedule!r} needs microbatches >= pp: microbatches={microbatches} < "
                          f"pp={pp} leaves a stage with nothing to alternate; use microbatches >= {pp} or 'gpipe'")
