@@ -92,6 +92,8 @@ def hub(tmp_path_factory):
             made += names
             subprocess.run([sys.executable, "-m", "labkit.labs.hub", "add", "--state", str(state), "--role", role,
                             "--password-stdin", *names], input=PASSWORD + "\n", text=True, check=True, cwd=ROOT)
+        for user in (TEACH, BOB):  # the test reads their terminals' screens
+            _screen_reader(user)
         port = listen_port()  # not one an outgoing connection can take while the hub installs
         proc = _start(state, port, log)
         hub = dict(url=f"http://127.0.0.1:{port}", state=state, log=log, port=port, proc=proc)
@@ -160,6 +162,76 @@ def _who(user: str) -> str:
     return user.removeprefix(f"lt{_RUN}")
 
 
+CHAPTER = ROOT / "book" / "instructors.md"
+
+
+def _chapter_block(after: str) -> list[str]:
+    """The lines of the first bash block after the words ``after`` in the instructors' chapter: the
+    test types the chapter's own text."""
+    block = re.search(re.escape(after) + r".*?```bash\n(.*?)```", CHAPTER.read_text(), re.S)
+    assert block, f"no bash block after {after!r} in {CHAPTER.name}"
+    return [line for line in block[1].splitlines() if line.strip()]
+
+
+def _chapter_inline(start: str) -> str:
+    """The chapter's inline command that starts with ``start``."""
+    (command,) = {c.replace("\n", " ") for c in re.findall(r"`(" + re.escape(start) + r"[^`]*)`", CHAPTER.read_text())}
+    return re.sub(r"\s+", " ", command)
+
+
+def _screen_reader(user: str) -> None:
+    """JupyterLab's terminal setting "Screen Reader Mode" for ``user``: xterm then keeps the screen's
+    rows as text in the page, where the test reads what the terminal shows."""
+    folder = Path(pwd.getpwnam(user).pw_dir) / ".jupyter/lab/user-settings/@jupyterlab/terminal-extension"
+    subprocess.run(["runuser", "-u", user, "--", "mkdir", "-p", str(folder)], check=True)
+    subprocess.run(["runuser", "-u", user, "--", "sh", "-c", f"echo '{{\"screenReaderMode\": true}}' > "
+                    f"{folder}/plugin.jupyterlab-settings"], check=True)
+
+
+def _lab_open(page, hub, shot: str) -> None:
+    """Wait for JupyterLab's main area; otherwise fail with the page and the hub's log."""
+    try:
+        page.locator("#jp-main-dock-panel").wait_for()
+    except PlaywrightTimeout:
+        _shot(page, f"{shot}-timeout")
+        pytest.fail(f"JupyterLab did not open at {page.url}: {page.locator('body').inner_text()[:1000]}\n"
+                    f"hub log:\n{hub['log'].read_text()[-4000:]}")
+
+
+def _terminal(page):
+    """A new terminal, as a person opens one: File, New, Terminal."""
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile("^File$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile("^New$")).first.hover()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile("^Terminal$")).first.click()
+    term = page.locator("#jp-main-dock-panel .jp-Terminal:not(.lm-mod-hidden)").last  # the one just opened
+    term.locator(".xterm-accessibility-tree").wait_for(state="attached")
+    deadline = time.monotonic() + 60  # typing before bash's prompt is up loses the first keys
+    while "$" not in term.locator(".xterm-accessibility-tree").inner_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return term
+
+
+def _type_in_terminal(page, term, lines: list[str], timeout_s: float = 600) -> str:
+    """Type each line and Enter, then ``echo`` of its exit status; every status must be 0. Returns
+    what the screen showed last."""
+    screen = ""
+    for i, line in enumerate(lines):
+        term.click()
+        page.keyboard.type(line)
+        page.keyboard.press("Enter")
+        page.keyboard.type(f'echo "__rc{i}_$?__"')
+        page.keyboard.press("Enter")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            screen = term.locator(".xterm-accessibility-tree").inner_text()
+            status = re.search(rf"__rc{i}_(\d+)__", screen)
+            if status or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert status and status[1] == "0", f"{line!r} in the terminal:\n{screen[-3000:]}"
+    return screen
+
+
 def _shot(page, name: str) -> None:
     page.screenshot(path=str(SHOTS / f"{name}.png"))
 
@@ -201,9 +273,11 @@ def _server_pid(user: str) -> int:
     return int(out.stdout.split()[0])
 
 
-def _student_term(browser, hub, user: str, answer: str, run: str | None, validate: bool = False):
+def _student_term(browser, hub, user: str, answer: str, run: str | None, validate: bool = False,
+                  fetch_in_terminal: bool = False):
     """Follow the book's launch link (of the lab ``run``, which is run at the ci profile, or of the
-    exercise's lab), then fetch, answer and submit the exercise."""
+    exercise's lab), then fetch (from the Assignments panel, or with the chapter's command in a
+    terminal), answer and submit the exercise."""
     lab = run or LAB
     page = _login(browser, hub, user, launch_url(hub["url"], lab))  # the book's link, this hub's address
     panel = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)").last
@@ -217,8 +291,12 @@ def _student_term(browser, hub, user: str, answer: str, run: str | None, validat
     if run:
         _run_to_the_exercise(page, panel, lab_nb, user)
 
+    if fetch_in_terminal:
+        _type_in_terminal(page, _terminal(page), [_chapter_inline("nbgrader fetch_assignment")])
+        _shot(page, f"{_who(user)}-3-fetched-in-a-terminal")
     assignments = _assignments(page)
-    assignments.get_by_role("button", name="Fetch", exact=True).first.click()
+    if not fetch_in_terminal:
+        assignments.get_by_role("button", name="Fetch", exact=True).first.click()
     page.wait_for_function("() => document.querySelector('#nbgrader-assignment-list')?.innerText.includes('Submit')")
     _shot(page, f"{_who(user)}-3-fetched")
     page.locator(".lm-MenuBar-itemLabel", has_text=re.compile("^File$")).click()
@@ -343,12 +421,16 @@ def test_a_term_on_the_hub(hub, browser, grading_sandbox):
     assert uses_the_courses_exchange(state / "jupyter" / "instructor", state / "jupyter" / "student")
     # an instructor's autograde from anywhere runs in the sandbox (the course's config does in ~/course)
     assert grades_in_the_sandbox(state / "jupyter" / "instructor") == [True]
-    _as(hub, TEACH, "python", "-m", "labkit.labs.assignments", LAB, "--course", f"{home[TEACH]}/course")
-    _as(hub, TEACH, "nbgrader", "release_assignment", LAB, cwd=home[TEACH] / "course")
+    # the chapter's commands, typed in a JupyterLab terminal of the instructor's own server
+    teach = _login(browser, hub, TEACH, f"{hub['url']}/hub/user-redirect/lab")  # starts their server
+    _lab_open(teach, hub, "teach-0-lab")
+    _type_in_terminal(teach, _terminal(teach), _chapter_block("As the instructor, in a terminal on your own server"))
+    _shot(teach, "teach-1-released-in-a-terminal")
+    assert "is not a subdirectory of the notebook" not in hub["log"].read_text()  # the formgrader finds ~/course
     right, wrong = _answers(hub)
 
     pages = {ALICE: _student_term(browser, hub, ALICE, right, run=RUN),
-             BOB: _student_term(browser, hub, BOB, wrong, run=None, validate=True)}
+             BOB: _student_term(browser, hub, BOB, wrong, run=None, validate=True, fetch_in_terminal=True)}
     # each server its own GPU of the pool, and a cgroup with the limits asked for (where one can be made)
     pids = {u: _server_pid(u) for u in (ALICE, BOB)}
     gpus = {u: dict(kv.split("=", 1) for kv in Path(f"/proc/{p}/environ").read_text().split("\0") if "=" in kv)
@@ -360,9 +442,9 @@ def test_a_term_on_the_hub(hub, browser, grading_sandbox):
             limit = next(f for f in (Path(f"/sys/fs/cgroup/labkit-hub/{u}/memory.max"),
                                      Path(f"/sys/fs/cgroup/memory/labkit-hub/{u}/memory.limit_in_bytes")) if f.exists())
             assert int(limit.read_text()) == 4 << 30, limit
-            pids = next(f for f in (Path(f"/sys/fs/cgroup/labkit-hub/{u}/pids.max"),
-                                    Path(f"/sys/fs/cgroup/pids/labkit-hub/{u}/pids.max")) if f.exists())
-            assert int(pids.read_text()) == 2048, pids
+            tasks = next(f for f in (Path(f"/sys/fs/cgroup/labkit-hub/{u}/pids.max"),
+                                     Path(f"/sys/fs/cgroup/pids/labkit-hub/{u}/pids.max")) if f.exists())
+            assert int(tasks.read_text()) == 2048, tasks
             if not cgroup_v2():  # in its devices cgroup: the pool's other GPUs refused at open() (test_hub_safety)
                 assert f"devices:/labkit-hub/{u}" in groups, groups
         else:  # a container without a writable cgroup: said, not silently dropped
@@ -382,7 +464,9 @@ def test_a_term_on_the_hub(hub, browser, grading_sandbox):
         "read the sources": f"open({str(course / 'source' / LAB / f'{LAB}.ipynb')!r}).read()",
         "read the gradebook": f"open({str(course / 'gradebook.db')!r}, 'rb').read()",
         "alter the release": f"open({str(state / 'exchange' / 'training-at-scale' / 'outbound' / LAB / f'{LAB}.ipynb')!r}, 'a').write('x')",
-        "replace the course's exchange folder": f"import os; os.rename({str(state / 'exchange' / 'training-at-scale')!r}, '/tmp/x')",
+        # within the exchange (its own file system: a rename out of it is EXDEV before it is EPERM)
+        "replace the course's exchange folder": f"import os; os.rename({str(state / 'exchange' / 'training-at-scale')!r}, "
+                                                f"{str(state / 'exchange' / 'taken')!r})",
     }
     refused = {what: _refused(hub, code) for what, code in attempts.items()}
 
@@ -400,10 +484,10 @@ def test_a_term_on_the_hub(hub, browser, grading_sandbox):
     assert "/hub/login" not in home_page.url, home_page.url
     home_page.close()
 
-    for step in (["collect", LAB], ["autograde", LAB], ["generate_feedback", LAB], ["export", "--to", "grades.csv"],
-                 ["release_feedback", LAB]):
-        log = _as(hub, TEACH, "nbgrader", *step, cwd=home[TEACH] / "course")
-        assert "cheating" not in (log.stdout + log.stderr).lower(), log.stderr[-2000:]
+    teach.reload()  # the hub restarted: the page reconnects, and a new terminal runs the chapter's steps
+    _lab_open(teach, hub, "teach-2-lab-again")
+    _type_in_terminal(teach, _terminal(teach), _chapter_block("After the deadline, in a terminal of yours"))
+    _shot(teach, "teach-2-graded-in-a-terminal")
     with open(course / "grades.csv") as f:
         grades = {row["student_id"]: float(row["score"]) for row in csv.DictReader(f) if row["assignment"] == LAB}
         f.seek(0)

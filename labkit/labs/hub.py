@@ -32,7 +32,7 @@ from labkit.core.cli import ArgumentParser
 from labkit.core.ports import is_free, listen_port
 from labkit.labs.hub_install import PROXY, install, readable_by_all, server_paths, users_python
 from labkit.labs.hub_state import ROLES, _root_only, _save_settings, _settings, add_users, prepare_state
-from labkit.labs.runner import ROOT
+from labkit.labs.runner import LABS_DIR, ROOT
 
 CONFIG_FILE = ROOT / "cluster" / "hub" / "jupyterhub_config.py"
 
@@ -114,17 +114,49 @@ def configure(c, state: Path) -> None:
     c.Spawner.http_timeout = c.Spawner.start_timeout = 120  # a loaded machine starts JupyterLab slowly
 
 
+# A MIG slice under this holds none of the labs' gpu profiles, which are sized for a whole GPU (GPT-2
+# small with batch 8 x 1024; the inside_device lab's 262,144 x 4,096 bf16 tensors are 2 GiB each)
+MIG_GPU_PROFILE_GB = 40
+
+
 def _gpu_pool(value: str) -> list[str]:
     if value == "none":
         return []
     if value == "all":
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
-                             text=True) if shutil.which("nvidia-smi") else None
-        return out.stdout.split() if out and out.returncode == 0 else []
+        return _visible_gpus()
     pool = [g.strip() for g in value.split(",")]
     if not all(g.isdigit() or g.startswith(("GPU-", "MIG-")) for g in pool) or len(set(pool)) != len(pool):
         raise ValueError(f"--gpus={brief(value)}: give all, none, or distinct GPU indices / GPU- or MIG- UUIDs, "
                          "comma-separated")
+    return pool
+
+
+def _visible_gpus() -> list[str]:
+    """``--gpus all``: the GPUs this hub may give out, as CUDA_VISIBLE_DEVICES names them to a server.
+
+    The hub's own allocation when it has one (Slurm and Kubernetes set its CUDA_VISIBLE_DEVICES: the
+    node's other GPUs are someone else's); else ``nvidia-smi -L``'s GPUs by UUID, and a GPU in MIG mode
+    as its slices (a parent's index would give every server the whole GPU, or none). UUIDs, not
+    indices: nvidia-smi numbers GPUs in PCI order, CUDA by default fastest first."""
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if given is not None:
+        return [g.strip() for g in given.split(",") if g.strip() not in ("", "-1", "NoDevFiles")]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60) \
+            if shutil.which("nvidia-smi") else None
+    except subprocess.TimeoutExpired:
+        out = None
+    pool: list[str] = []
+    for line in out.stdout.splitlines() if out and out.returncode == 0 else []:
+        found = re.search(r"\(UUID: ((GPU|MIG)-[^)\s]+)\)", line)
+        if found and found.group(2) == "MIG" and pool and pool[-1].startswith("GPU-"):
+            pool.pop()  # the slices listed under their GPU replace it
+        pool += [found.group(1)] if found else []
+    small = sorted({float(m) for m in re.findall(r"MIG \d+g\.(\d+)gb", out.stdout if out else "")
+                    if float(m) < MIG_GPU_PROFILE_GB})
+    if small:
+        print(f"hub: MIG slices of {', '.join(f'{g:g}' for g in small)} GB in the pool: the labs' gpu profiles need "
+              f"a whole GPU (about {MIG_GPU_PROFILE_GB} GB); on a slice, run the ci or cpu profile", file=sys.stderr)
     return pool
 
 
@@ -144,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     for p in (add := sub.add_parser("add", help="enrol unix users (made if missing)")), \
              (srv := sub.add_parser("serve", help="run the hub (stop with Ctrl-C; state is kept)")):
-        p.add_argument("--state", default="/srv/labkit-hub", help="the folder the hub keeps everything in")
+        p.add_argument("--state", default=os.environ.get("HUB_STATE") or "/srv/labkit-hub",
+                       help="the folder the hub keeps everything in (default: $HUB_STATE, else /srv/labkit-hub)")
     add.add_argument("--role", choices=ROLES, required=True)
     add.add_argument("--password-stdin", action="store_true", help="set the users' password from standard input")
     add.add_argument("names", nargs="+")

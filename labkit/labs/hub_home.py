@@ -70,13 +70,16 @@ def check_account(name: str) -> pwd.struct_passwd:
 def home_for(user: str, role: str, state: Path, source_labs: Path) -> None:
     """The labs in ``user``'s home (what is there already stays), the home private to them, an
     instructor's ``~/course`` and the course's folder in the exchange: all done as ``user``."""
-    from labkit.labs.hub_install import library_path, users_tools
+    from labkit.labs.hub_install import library_path, users_python, users_tools
 
     pw = check_account(user)
     groups = os.getgrouplist(user, pw.pw_gid)
-    python = users_tools()  # an interpreter every user may run (root's own may lie under /root)
+    # an interpreter every user may run (root's own may lie under /root): made by `hub add` before the
+    # hub first serves, and only looked up at a server's start (the hub runs with umask 077)
+    python = users_python() if users_python().is_file() else users_tools()
     env = {"HOME": pw.pw_dir, "USER": user, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", **library_path(python)}
-    out = subprocess.run([str(python), "-I", __file__, role, str(state), str(source_labs)], user=pw.pw_uid,
+    course = json.loads((state / "hub.json").read_text())["course"]  # read by root: the hub's files are its own
+    out = subprocess.run([str(python), "-I", __file__, role, str(state), str(source_labs), course], user=pw.pw_uid,
                          group=pw.pw_gid, extra_groups=groups, env=env, cwd="/", umask=0o022,
                          capture_output=True, text=True)
     if out.returncode:
@@ -95,7 +98,7 @@ def _copy_missing(src: Path, dest_dir: Path) -> None:
         shutil.copyfileobj(f, out)
 
 
-def _fill(role: str, state: Path, source_labs: Path) -> None:
+def _fill(role: str, state: Path, source_labs: Path, course: str) -> None:
     home = Path(os.environ["HOME"])
     os.chmod(home, 0o700)  # Debian's useradd makes homes readable by everyone
     labs = home / "labs"
@@ -113,7 +116,7 @@ def _fill(role: str, state: Path, source_labs: Path) -> None:
             pass
         # the course's folder in the exchange, an instructor's before any student can make it theirs
         # (the exchange is writable by all; nbgrader releases only into a folder the releaser owns)
-        shared = state / "exchange" / json.loads((state / "hub.json").read_text())["course"]
+        shared = state / "exchange" / course
         try:
             os.mkdir(shared, 0o755)
         except FileExistsError:
@@ -129,4 +132,4 @@ def _fill(role: str, state: Path, source_labs: Path) -> None:
 
 
 if __name__ == "__main__":
-    _fill(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
+    _fill(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4])

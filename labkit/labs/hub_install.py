@@ -58,7 +58,8 @@ def _copy_interpreter(exe: Path) -> None:
     site.mkdir(parents=True, exist_ok=True)
     # addsitedir, not a path line: it also runs .venv's own .pth files (the editable labkit among them)
     # whole: a Python starting meanwhile (the other worker's, a server's) reads all of it or none
-    write_whole(site / "labkit-venv.pth", f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+    write_whole(site / "labkit-venv.pth", f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n",
+                mode=0o644)  # every user's Python reads it, whatever umask wrote it
 
 
 def library_path(python: Path) -> dict[str, str]:

@@ -153,6 +153,7 @@ def server_env(state: Path, role: str, home: Path, tools: str, library_path: dic
     return {
         **library_path,
         "PATH": f"{tools}:/usr/local/bin:/usr/bin:/bin",
+        "LABKIT_HUB_TOOLS": tools,  # a terminal's rc file puts them first again (labkit/labs/hub_state.py)
         "JUPYTER_PATH": os.pathsep.join(jupyter_path),
         # the role's own settings first (nbgrader's exchange and course, which extensions load)
         "JUPYTER_CONFIG_PATH": os.pathsep.join([str(state / "jupyter" / role), jupyter_config]),

@@ -26,6 +26,15 @@ GROUP = "labkit-instructors"
 ROLES = ("student", "instructor")
 # what the course's nbgrader_config.py sets for grading: each submission in a sandbox, a warning only
 # for a locked cell the student edited (labkit/labs/sandbox.py, labkit/labs/overwrite.py)
+TERMINAL_RC = Path("jupyter") / "terminal.bashrc"  # under the state folder
+TERMINAL_RC_TEXT = """\
+# A hub terminal's start (labkit/labs/hub_state.py): what an interactive bash reads, then the course's
+# commands (python, jupyter, nbgrader) first on PATH, as the server has them.
+[ -r /etc/bash.bashrc ] && . /etc/bash.bashrc
+[ -r "$HOME/.bashrc" ] && . "$HOME/.bashrc"
+case ":$PATH:" in *":$LABKIT_HUB_TOOLS:"*) ;; *) PATH="$LABKIT_HUB_TOOLS:$PATH" ;; esac
+export PATH
+"""
 INSTRUCTOR_GRADING = ["from labkit.labs.grading_config import sandboxed_grading", "sandboxed_grading(c)"]
 
 
@@ -35,7 +44,7 @@ def _settings(state: Path) -> dict:
 
 
 def _save_settings(state: Path, settings: dict) -> None:
-    write_whole(state / "hub.json", json.dumps(settings, indent=1))
+    write_whole(state / "hub.json", json.dumps(settings, indent=1), mode=0o644)  # the hub runs with umask 077
 
 
 def _root_only(state: Path) -> None:
@@ -88,6 +97,7 @@ def prepare_state(state: Path, group: str = GROUP, course_id: str = COURSE_ID, e
     database = state / "jupyterhub.sqlite"
     if database.is_file() and not database.is_symlink():
         database.chmod(0o600)  # every user's name, admin flag and cookie id: the hub's alone
+    _terminal_rc(state)
     for role in ROLES:
         folder = state / "jupyter" / role
         folder.mkdir(parents=True, exist_ok=True)
@@ -103,10 +113,22 @@ def prepare_state(state: Path, group: str = GROUP, course_id: str = COURSE_ID, e
                                                    + "\n")
         if role == "student":  # no formgrader, no assignment creation: the Kubernetes image's settings too
             shutil.copytree(STUDENT_SETTINGS, folder, dirs_exist_ok=True)
+        # a terminal runs bash on the course's rc file: jupyter_server would start `sh -l`, whose
+        # /etc/profile puts the system's PATH back, and no course command would be found
+        server = folder / "jupyter_server_config.json"
+        settings_json = json.loads(server.read_text()) if server.is_file() else {}
+        settings_json.setdefault("ServerApp", {})["terminado_settings"] = {
+            "shell_command": [shutil.which("bash") or "/bin/bash", "--rcfile", str(state / TERMINAL_RC), "-i"]}
+        server.write_text(json.dumps(settings_json, indent=1))
     from labkit.labs.student_labs import write_student_labs
 
     write_student_labs(state / "student-labs")
     return settings
+
+
+def _terminal_rc(state: Path) -> None:
+    (state / TERMINAL_RC).parent.mkdir(parents=True, exist_ok=True)
+    write_whole(state / TERMINAL_RC, TERMINAL_RC_TEXT, mode=0o644)
 
 
 def add_users(state: Path, role: str, names: list[str], password: str | None = None) -> None:
