@@ -144,10 +144,18 @@ def has_fp8_units(device: str) -> bool:
     return device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def scaled_mm_runs(device: str) -> bool:
+    """Whether :func:`torch._scaled_mm` has a kernel for ``device``: torch's CPU kernel emulates it; on
+    CUDA it needs FP8 tensor cores, and on an older GPU (an A100, compute capability 8.0) it raises."""
+    return not device.startswith("cuda") or has_fp8_units(device)
+
+
 def gemm_speed(n: int, device: str = "cpu", dtype: torch.dtype = torch.float32, repeats: int = 5) -> dict:
     """An ``n`` x ``n`` x ``n`` GEMM in ``dtype`` and through :func:`torch._scaled_mm` on E4M3 operands
     (per-tensor scales, the output in ``dtype``, fast accumulation as torchao's forward uses it):
-    FLOP/s each, and whether the device has FP8 units."""
+    FLOP/s each, and whether the device has FP8 units. Where ``_scaled_mm`` has no kernel (a GPU
+    without FP8 units) the FP8 GEMM is the emulation, the E4M3 operands scaled back up to ``dtype``
+    (``"fp8_gemm"`` says which): what FP8 saves there is bytes, not time."""
     from labkit.device.fusion import best_seconds
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -156,10 +164,17 @@ def gemm_speed(n: int, device: str = "cpu", dtype: torch.dtype = torch.float32, 
     bt, sa, sb = bq.t(), sa.reshape(()), sb.reshape(())  # bq.t(): column-major, as the GEMM wants it
     flops = 2 * n ** 3
     plain = best_seconds(torch.matmul, a, b.t(), repeats=repeats)
-    fp8 = best_seconds(lambda *_: torch._scaled_mm(aq, bt, scale_a=sa, scale_b=sb, out_dtype=dtype,
-                                                   use_fast_accum=True), a, repeats=repeats)
+    library = scaled_mm_runs(device)
+    if library:
+        def gemm(*_):
+            return torch._scaled_mm(aq, bt, scale_a=sa, scale_b=sb, out_dtype=dtype, use_fast_accum=True)
+    else:
+        def gemm(*_):
+            return (aq.to(dtype) * sa.to(dtype)) @ (bt.to(dtype) * sb.to(dtype))
+    fp8 = best_seconds(gemm, a, repeats=repeats)
     return {"n": n, "dtype": str(dtype).removeprefix("torch."), "flops_per_s": flops / plain,
-            "fp8_flops_per_s": flops / fp8, "fp8_units": has_fp8_units(device)}
+            "fp8_flops_per_s": flops / fp8, "fp8_units": has_fp8_units(device),
+            "fp8_gemm": "torch._scaled_mm" if library else f"emulated (E4M3 scaled up to {dtype})"}
 
 
 def fsdp_bytes_per_step(n_params: float, world: int, gather_bytes: int, grad_bytes: int = 4) -> dict[str, float]:

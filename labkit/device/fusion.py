@@ -121,6 +121,7 @@ def eager_and_compiled(fn: Callable, *args: Tensor, repeats: int = 10) -> dict[s
     """``fn`` on ``args`` eager and compiled: kernels and bytes each way (:func:`eager_traffic`,
     :func:`compile_with_traffic`), the seconds compiling took, the best time per call each way with
     the host's launches counted, and the eager call replayed as a CUDA graph (None off CUDA)."""
+    require_compiler(args[0].device.type)
     eager = eager_traffic(fn, *args)
     compiled, info = compile_with_traffic(fn, *args)
     return {"eager_kernels": eager["kernels"], "eager_bytes": eager["bytes"],
@@ -196,7 +197,28 @@ def cuda_graph_seconds(fn: Callable, *args: Tensor, repeats: int = 10) -> float 
 
 def toolchain() -> dict[str, str | bool | None]:
     """What ``torch.compile`` needs besides torch: a C compiler (Inductor's CPU code, and Triton's
-    launcher on a GPU) and the Python headers to build against."""
+    launcher on a GPU), the Python headers to build against, and on CUDA Triton itself (Inductor's GPU
+    code generator; a CUDA wheel requires it, but a trimmed image may lack it)."""
+    import importlib.util
+
     cc = next((found for name in (os.environ.get("CC"), "gcc", "cc", "clang") if name
                for found in [shutil.which(name)] if found), None)
-    return {"c_compiler": cc, "python_headers": os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))}
+    headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+    return {"c_compiler": cc, "python_headers": headers, "triton": importlib.util.find_spec("triton") is not None}
+
+
+def compiler_missing(device: str = "cpu") -> list[str]:
+    """What ``torch.compile`` on ``device`` needs and this machine lacks, in words (empty: nothing)."""
+    t = toolchain()
+    wanted = (("triton", t["triton"] or not device.startswith("cuda")), ("a C compiler (set CC)", t["c_compiler"]),
+              ("Python.h (the Python development headers)", t["python_headers"]))
+    return [what for what, there in wanted if not there]
+
+
+def require_compiler(device: str = "cpu") -> None:
+    """Stop, as a missing package stops a lab (a skip that names it), before ``torch.compile`` fails half
+    way through its first call for want of a tool (Inductor reports it deep in a traceback)."""
+    missing = compiler_missing(device)
+    if missing:
+        # a ModuleNotFoundError with no module name: the lab runners report its words as what is missing
+        raise ModuleNotFoundError(f"{', '.join(missing)} for torch.compile on {device}")

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.core.checks import non_negative_number
+from labkit.core.devices import comm_device
 
 # EX_TEMPFAIL of BSD sysexits.h: "a temporary failure ... the user is invited to retry the operation
 # later". Distinct from 0 (done), 1 (a crash: do not requeue a bug forever) and 128+N (killed by N).
@@ -105,8 +106,7 @@ class PreemptionHandler:
         stop = self.received is not None
         too_late = stop and self.time_left() - self.reserve_s < save_estimate_s
         if dist.is_available() and dist.is_initialized():
-            dev = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
-                   else torch.device("cpu"))
+            dev = comm_device()  # not get_backend() == "nccl": a CUDA group's backend is "cpu:gloo,cuda:nccl"
             # One rank warned is enough to stop all; one rank short of time makes all skip the save.
             flags = torch.tensor([float(stop), float(too_late)], device=dev)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)

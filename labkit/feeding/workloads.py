@@ -204,12 +204,14 @@ def straggler_run(cfg: dict) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader
 
+    from labkit.core.devices import comm_device
     from labkit.core.model import GPTConfig, build_model
     from labkit.feeding.stalls import measure_stalls
 
     rank = dist.get_rank()
-    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and \
-        dist.get_backend() == "nccl" else torch.device("cpu")
+    # Where the group's collectives run: a CUDA job's group is "cpu:gloo,cuda:nccl", which torch 2.11's
+    # get_backend returns whole, so an equality with "nccl" put the GPU job's ranks on the CPU
+    dev = comm_device()
     mcfg = GPTConfig(block_size=cfg["block_size"], n_layer=cfg["n_layer"], n_head=cfg["n_head"],
                      n_embd=cfg["n_embd"])
     model = build_model(mcfg, seed=cfg["seed"]).to(dev)

@@ -1,159 +1,108 @@
 """``python3 -m labkit.gpu_check`` (``make gpu-check``): does this GPU node or hub image run the course?
 
-One command for an instructor on a fresh GPU machine. It checks the environment, runs every strategy
-on the node's GPUs against one process, the precision paths, the speed (MFU) of the GPT at GPT-2
-small's shape in bf16 with its memory against the calculator, what one device does (its roofs,
-fusion, FP8 GEMMs, FlashAttention: :mod:`labkit.labs.gpu_items_device`), and every lab's ``gpu`` profile
-trimmed to a few steps (:data:`labkit.labs.profiles.GPU_CHECK`); it prints one pass/fail/skip line
-per item and writes ``gpu_check.json`` and ``gpu_check.md`` into ``--out``.
+One command for an instructor on a fresh GPU machine, sized for the minutes a GPU is lent: its first
+lines say what the machine is (:mod:`labkit.labs.gpu_machine`); then it checks every strategy on the
+node's GPUs against one process, FSDP2 itself on one rank, the precision paths, the speed (MFU) of the
+GPT at GPT-2 small's shape in bf16 with its memory against the calculator, what one device does (its
+roofs, fusion, FP8 GEMMs, FlashAttention: :mod:`labkit.labs.gpu_items_device`), and every lab's
+``gpu`` profile trimmed to a few steps (:data:`labkit.labs.profiles.GPU_CHECK`); it prints one
+PASS/FAIL/SKIP/OVER line per item and writes ``gpu_check.json`` and ``gpu_check.md`` into ``--out``.
 
-It runs on any torch from 2.11 on, without ``.venv``: a package an item needs and the machine
-lacks (DeepSpeed, papermill, ...) skips that item with the package's name; labs run through
-papermill where it exists and as plain scripts (:mod:`labkit.labs.script`) where it does not. On a
-machine without CUDA it says so in one sentence and exits 2; ``--device cpu`` runs the same items
-on CPU processes over gloo, to check the check itself (its speeds mean nothing).
+Each item and lab runs in a process of its own within a time budget (:mod:`labkit.labs.gpu_budget`):
+the default run ends within 10 minutes (``--budget``), a part that runs past its own seconds is
+stopped and reported OVER, and what the budget left no time for says so; ``--full`` runs
+everything. A lab that needs more GPUs than the machine has is a SKIP naming how many.
+
+It runs on any torch from 2.11 on, without ``.venv``: a package an item needs and the machine lacks
+(DeepSpeed, papermill, ...) skips that item with the package's name; labs run through papermill
+where it exists and as plain scripts (:mod:`labkit.labs.script`) where it does not, their figures
+not drawn where matplotlib is missing (:mod:`labkit.labs.no_plots`). On a machine without CUDA it says
+so in one sentence and exits 2; ``--device cpu`` runs the same items on CPU processes over gloo, to
+check the check itself (its speeds mean nothing).
 """
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
-import traceback
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
 
 from labkit.core.checks import output_dir, positive_int
 from labkit.core.cli import ArgumentParser
-from labkit.labs import gpu_items, gpu_items_device, gpu_items_parallel
-from labkit.labs.gpu_items import Item, Setting, has, log
-from labkit.labs.profiles import GPU_CHECK
+from labkit.labs import gpu_items, gpu_items_device, gpu_items_parallel, gpu_machine
+from labkit.labs.gpu_budget import ITEM_S, TOTAL_S, Budget, run_apart
+from labkit.labs.gpu_guard import STATUS, _guarded, cause  # noqa: F401 - the check's own names
+from labkit.labs.gpu_items import Item, Setting, log
+from labkit.labs.gpu_labs import LabFailed, lab_items, run_lab_apart  # noqa: F401 - the check's own names
 from labkit.labs.runner import ROOT, list_labs
-from labkit.labs.script import LabSkipped
 
-ITEMS = ("environment", "strategies", "context", "experts", "precision", "speed", "device", "determinism", "labs")
-STATUS = {"pass": "PASS", "fail": "FAIL", "skip": "SKIP"}
-
-
-def cause(e: BaseException) -> tuple[str, str]:
-    """A failure's short cause (one line, for the markdown) and its whole error (for the JSON): for ranks
-    that failed, the first failing rank's last traceback line, not "1 rank(s) failed"."""
-    from labkit.launch import RankError
-
-    whole = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    if isinstance(e, RankError) and e.failures:
-        rank, tb = min(e.failures.items())
-        lines = [ln.strip() for ln in tb.strip().splitlines() if ln.strip()]
-        short = f"rank {rank}: {lines[-1] if lines else 'no traceback'}"
-        whole = f"{whole}\n--- rank {rank}, last lines ---\n" + "\n".join(tb.strip().splitlines()[-15:])
-    elif getattr(e, "ename", None):  # papermill's error from a lab's cell
-        value = str(getattr(e, "evalue", "") or "").strip().splitlines()
-        short = f"{e.ename}: {value[0] if value else ''}"
-    else:
-        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-        short = f"{type(e).__name__}: {lines[0] if lines else ''}"
-    return short[:400], whole[-20000:]
+ITEMS = ("environment", "strategies", "fsdp2", "context", "experts", "precision", "speed", "device", "determinism",
+         "labs")
+ITEM_MARK = "\0labkit-item "  # a finished Item, as a child prints it for the check
 
 
-def _guarded(name: str, fn: Callable[[], list[Item]]) -> list[Item]:
-    """Run one item; a missing package is a skip naming it, any other error a failure with its cause
-    in one line and the whole error kept for the JSON report."""
+# An item in a process of its own (gpu_budget): each Item it finishes goes to stdout as one marked line.
+_ITEM_CHILD = "import sys\nfrom labkit.labs.gpu_check import item_here\nitem_here(sys.argv[1], sys.argv[2])\n"
+
+
+def item_here(name: str, setting: str) -> None:
+    """In the item's own process: run it, printing each finished Item as a marked JSON line."""
+    kw = json.loads(setting)
+    s = Setting(**{**kw, "strategies": tuple(kw["strategies"]) if kw["strategies"] else None})
+    gpu_items.SINK = lambda it: print(ITEM_MARK + json.dumps(asdict(it), default=str), flush=True)
+    module = next(m for m in (gpu_machine, gpu_items_device, gpu_items_parallel, gpu_items) if hasattr(m, name))
+    _guarded(name, lambda: getattr(module, name)(s))
+
+
+def run_item(name: str, s: Setting, seconds: float, cut: bool = False) -> list[Item]:
+    """Item ``name`` in a new process, stopped after ``seconds``: its Items, and OVER if it was stopped
+    (``cut``: those seconds were what the check's budget had left, less than the item's own)."""
     t0 = time.perf_counter()
-    try:
-        items = fn()
-    except ModuleNotFoundError as e:
-        items = [Item(name, "skip", f"needs the package {e.name!r}, which is not installed")]
-    except LabSkipped as e:
-        items = [Item(name, "skip", str(e))]
-    except Exception as e:  # noqa: BLE001 - the report says what failed and goes on to the next item
-        short, whole = cause(e)
-        if getattr(e, "ename", None) == "ModuleNotFoundError":  # papermill's: a lab's cell lacked a package
-            items = [Item(name, "skip", short.split(": ", 1)[-1])]
-        else:
-            items = [Item(name, "fail", short, error=whole)]
-    seconds = time.perf_counter() - t0
-    for it in items:
-        it.seconds = it.seconds or seconds / len(items)
+    code, out, err = run_apart([sys.executable, "-c", _ITEM_CHILD, name, json.dumps(asdict(s))], seconds)
+    items = [Item(**json.loads(line[len(ITEM_MARK):])) for line in out.splitlines() if line.startswith(ITEM_MARK)]
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    if code is None:
+        done = f" ({len(items)} part(s) finished before)" if items else ""
+        cut_by = "; that was what the check's budget had left" if cut else ""
+        items.append(Item(name, "over", f"ran past its {seconds:.0f} s and was stopped{done}{cut_by}",
+                          seconds=time.perf_counter() - t0, error=err[-20000:]))
+    elif code:  # (exit 0 with no items: none applied, as --strategies that are all skipped)
+        items.append(Item(name, "fail", (lines[-1] if lines else f"exit status {code}")[:400],
+                          seconds=time.perf_counter() - t0, error=err[-20000:]))
+    for it in items:  # parts sent as they finished carry no time of their own: a share of the item's
+        it.seconds = it.seconds or (time.perf_counter() - t0) / len(items)
         log(f"{STATUS[it.status]} {it.name}: {it.detail}")
     return items
 
 
-# A lab in a process of its own: nothing it leaves (deterministic mode, recorded values, GPU tensors
-# until the next collection) reaches the next lab. Exit status 3: it needs a package that is missing.
-_CHILD = """
-import json, pathlib, sys
-from labkit.labs.runner import run_lab
-from labkit.labs.script import LabSkipped
-kw = json.loads(sys.argv[1])
-kw["out_dir"] = pathlib.Path(kw["out_dir"])
-try:
-    print(run_lab(**kw))
-except LabSkipped as e:
-    sys.exit(print(e, file=sys.stderr) or 3)
-except ModuleNotFoundError as e:
-    sys.exit(print(f"needs the package {e.name!r}, which is not installed", file=sys.stderr) or 3)
-except Exception as e:
-    if getattr(e, "ename", None) != "ModuleNotFoundError":
-        raise
-    sys.exit(print(getattr(e, "evalue", e), file=sys.stderr) or 3)
-"""
-
-
-class LabFailed(RuntimeError):
-    """A lab's process failed: the message's first line is its error, then the end of what it printed."""
-
-
-def run_lab_apart(name: str, profile: str, out: Path, overrides: dict, as_script: bool, gpus: int | None) -> Path:
-    """:func:`labkit.labs.runner.run_lab` in a new Python process; the path of the metrics it wrote."""
-    kw = dict(name=name, profile=profile, out_dir=str(out), force=True, overrides=overrides, as_script=as_script,
-              gpus=gpus, quiet=True)
-    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(kw)], capture_output=True, text=True)
-    err = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-    if proc.returncode == 3:
-        raise LabSkipped(err[-1] if err else f"lab {name!r} needs a package that is not installed")
-    if proc.returncode:
-        tail = "\n".join(err[-40:])
-        raise LabFailed(f"{err[-1] if err else f'exit status {proc.returncode}'}\n{tail}")
-    return Path(proc.stdout.strip().splitlines()[-1])
-
-
-def lab_items(s: Setting, labs: list[str], profile: str, out: Path, as_script: bool = False) -> list[Item]:
-    """Every lab under ``profile`` (trimmed for the check when it is ``gpu``), one item each."""
-    notebook = not as_script and has("papermill") and has("jupytext") and has("ipykernel")
-    items = []
-    for name in labs:
-        overrides = GPU_CHECK.get(name, {}) if profile == "gpu" else {}
-        how = "papermill" if notebook else "as a script"
-
-        def run(name=name, overrides=overrides) -> list[Item]:
-            path = run_lab_apart(name, profile, out, overrides, not notebook, s.world if profile == "gpu" else None)
-            return [Item(f"lab {name}", "pass", f"{profile} profile{' (trimmed)' if overrides else ''}, {how}: "
-                         f"metrics in {path}")]
-
-        items += _guarded(f"lab {name}", run)
-    return items
-
-
-def report(items: list[Item], s: Setting, out: Path) -> tuple[Path, Path]:
+def report(items: list[Item], s: Setting, out: Path, seconds: float | None = None,
+           budget: float | None = None) -> tuple[Path, Path]:
     """``gpu_check.json`` (every figure) and ``gpu_check.md`` (a table a person reads)."""
     out.mkdir(parents=True, exist_ok=True)
     counts = {k: sum(i.status == k for i in items) for k in STATUS}
-    data = {"setting": asdict(s), "counts": counts, "items": [asdict(i) for i in items]}
+    data = {"setting": asdict(s), "counts": counts, "items": [asdict(i) for i in items], "summary": summary(items),
+            "seconds": seconds, "budget": budget}
     js = out / "gpu_check.json"
     js.write_text(json.dumps(data, indent=1, default=str))
     env = next((i.figures for i in items if i.name == "environment"), {})
-    lines = ["# GPU check", "", f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped "
-             f"on {s.world} {s.device} rank(s).", ""]
+    lines = ["# GPU check", "", f"{summary(items)}, on {s.world} {s.device} rank(s).", ""]
     if env:
-        gpus = ", ".join(g["name"] for g in env.get("gpus", [])) or "none"
-        lines += [f"torch {env.get('torch')}, CUDA {env.get('cuda')}, NCCL {env.get('nccl')}, Python "
-                  f"{env.get('python')}; GPUs: {gpus}", ""]
+        lines += [*(f"    {line}" for line in gpu_machine.header(env)), ""]
     lines += ["| item | result | detail | s |", "|---|---|---|---:|"]
     lines += [f"| {i.name} | {STATUS[i.status]} | {i.detail.replace('|', '/')} | {i.seconds:.0f} |" for i in items]
     md = out / "gpu_check.md"
     md.write_text("\n".join(lines) + "\n")
     return js, md
+
+
+def summary(items: list[Item]) -> str:
+    """The counts, and how many labs ran their code: a lab that skipped ran none of it."""
+    counts = {k: sum(i.status == k for i in items) for k in STATUS}
+    labs = [i for i in items if i.name.startswith("lab ")]
+    ran = sum(i.status == "pass" for i in labs)
+    return (f"{counts['pass']} passed, {counts['fail']} failed, {counts['over']} over their time budget, "
+            f"{counts['skip']} skipped" + (f"; {ran} of {len(labs)} labs ran their code" if labs else ""))
 
 
 def _parser() -> ArgumentParser:
@@ -169,6 +118,11 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--as-script", action="store_true", help="run the labs as plain scripts even where papermill "
                     "exists (what a machine without Jupyter does)")
     ap.add_argument("--out", type=Path, default=ROOT / "_build" / "gpu_check", help="where the reports go")
+    ap.add_argument("--budget", type=float, default=None, help=f"seconds for the whole check (default "
+                    f"{TOTAL_S['cuda']:.0f}, {TOTAL_S['cpu']:.0f} with --device cpu); each item and lab has its own "
+                    "as well, and is stopped when it runs past it")
+    ap.add_argument("--full", action="store_true", help="every item and lab, no total budget (each still stopped "
+                    "after an hour)")
     return ap
 
 
@@ -197,6 +151,8 @@ def _setting(ap: ArgumentParser, args) -> tuple[Setting, list[str], list[str]]:
         for name in ("gpus", "steps"):
             if getattr(args, name) is not None:
                 positive_int(f"--{name}", getattr(args, name))
+        if args.budget is not None and not 60 <= args.budget <= 86400:
+            raise ValueError(f"--budget {args.budget:g}: give 60 to 86400 seconds for the whole check")
         output_dir("--out", args.out)  # before the items run, not after
     except ValueError as e:
         ap.error(str(e))
@@ -228,21 +184,30 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     s, only, labs = _setting(ap, args)
     profile = args.profile or ("gpu" if s.device == "cuda" else "ci")
-    log(f"gpu-check: {', '.join(only)} on {s.world} {s.device} rank(s); reports in {args.out}")
-    t0 = time.perf_counter()
-    items: list[Item] = []
+    budget = Budget(None if args.full else args.budget or TOTAL_S[s.device])
+    within = "no total budget (--full)" if args.full else f"within {budget.total:.0f} s"
+    log(f"gpu-check: {', '.join(only)} on {s.world} {s.device} rank(s), {within}; reports in {args.out}")
+    # The machine first, in one screen; the environment item is the process that looks (this one never
+    # touches CUDA: a context here would hold a GPU's memory for the whole check)
+    env = run_item("environment", s, budget.grant(ITEM_S["environment"]) or ITEM_S["environment"])
+    for line in gpu_machine.header(env[0].figures) if env and env[0].figures else []:
+        log(f"  {line}")
+    items: list[Item] = env if "environment" in only else []
     for name in only:
         if name == "labs":
-            items += lab_items(s, labs, profile, args.out / "labs", args.as_script)
-        else:
-            module = next(m for m in (gpu_items_device, gpu_items_parallel, gpu_items) if hasattr(m, name))
-            items += _guarded(name, lambda name=name, module=module: getattr(module, name)(s))
-    js, md = report(items, s, args.out)
-    failed = [i.name for i in items if i.status == "fail"]
-    log(f"gpu-check: {len(items) - len(failed)} of {len(items)} items passed or skipped in "
-        f"{time.perf_counter() - t0:.0f} s" + (f"; failed: {', '.join(failed)}" if failed else "") +
-        f"; report: {md}, figures: {js}")
-    return 1 if failed else 0
+            items += lab_items(s, labs, profile, args.out / "labs", args.as_script, budget)
+        elif name != "environment":
+            seconds = budget.grant(ITEM_S[name])
+            if seconds is None:
+                items.append(Item(name, "skip", budget.spent()))
+                log(f"SKIP {name}: {items[-1].detail}")
+                continue
+            items += run_item(name, s, seconds, cut=bool(budget.total) and seconds < ITEM_S[name])
+    js, md = report(items, s, args.out, budget.used(), budget.total)
+    bad = [i.name for i in items if i.status in ("fail", "over")]
+    log(f"gpu-check: {summary(items)}, in {budget.used():.0f} s" + (f"; not proven: {', '.join(bad)}" if bad else "")
+        + f"; report: {md}, figures: {js}")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

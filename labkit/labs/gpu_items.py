@@ -1,10 +1,12 @@
 """What ``python -m labkit.gpu_check`` checks, one function per item (:mod:`labkit.labs.gpu_check` runs them).
 
-* ``environment``: Python, torch, CUDA, NCCL, cuDNN, the optional packages, every GPU's name and memory.
+* ``environment`` (in :mod:`labkit.labs.gpu_machine`): versions, every GPU's name, SMs, memory, MIG
+  mode and datasheet, what torch.compile needs, the optional packages.
 * ``strategies``: every strategy of :data:`labkit.train.STRATEGIES` on all the node's GPUs (tensor and
-  pipeline degrees that fit), each loss curve held against one process on the same data.
+  pipeline degrees that fit), each loss curve held against one process on the same data; on one GPU
+  none (each would train without a collective; ``fsdp2`` is FSDP2 itself on one rank).
 * ``precision``: bf16 and fp16 autocast (fp16 with loss scaling), FSDP2's bf16 parameters, TF32
-  matmuls, each against its single-process twin and against fp32.
+  matmuls, each against its single-process twin and against fp32 (on one GPU: one process's).
 * ``speed``: the GPT at GPT-2 small's shape in bf16 on one GPU: tokens/s and MFU against the
   datasheet peak (:mod:`labkit.planning.accelerators`), and the CUDA allocator's bytes after a
   step against the memory calculator's model states.
@@ -17,7 +19,6 @@ with the package's name, never a traceback; anything else that goes wrong is a `
 from __future__ import annotations
 
 import importlib.util
-import platform
 import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -33,8 +34,6 @@ MEMORY_TOL = 0.05  # CUDA allocator vs the calculator's model states (the issue'
 MFU_GOAL = 0.45
 # labkit.planning.cost.flops_per_token, as every run's MFU counts: PaLM's would count all the scores
 MFU_CONVENTION = "6 FLOPs per parameter + the causal half of 12 L h s per token"
-# What still exercises its own code on one GPU: FSDP2 wraps, casts and reshards in a group of one.
-ALONE = ("fsdp",)
 # What every strategy's metrics must carry (the run's, and each rank's)
 RUN_KEYS = ("tokens_per_s", "median_step_s", "model_tflops_per_s", "mfu", "hfu", "peak_tflops", "step_time_s")
 RANK_KEYS = ("peak_memory_bytes", "cuda_allocated_after_step", "model_state_bytes")
@@ -60,6 +59,21 @@ class Setting:
     strategies: tuple[str, ...] | None = None  # None: every strategy
 
 
+# Where each finished Item goes as soon as it is done (the check's parent process reads them from a
+# child's output as they come: an item stopped at its time budget keeps the parts it finished)
+SINK = None
+_SENT: set[int] = set()
+
+
+def emit(items: list[Item]) -> list[Item]:
+    """Hand ``items`` to :data:`SINK` (each once); return them."""
+    for it in items:
+        if SINK is not None and id(it) not in _SENT:
+            _SENT.add(id(it))
+            SINK(it)
+    return items
+
+
 def has(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
@@ -73,32 +87,6 @@ def _version(package: str) -> str | None:
         return version(package.replace("_", "-"))
     except Exception:  # noqa: BLE001 - a package without metadata still imports
         return "present"
-
-
-def environment(s: Setting) -> list[Item]:
-    import torch
-
-    from labkit.device.fusion import toolchain
-
-    cuda = torch.cuda.is_available()
-    gpus = [{"name": torch.cuda.get_device_name(i),
-             "memory_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)}
-            for i in range(torch.cuda.device_count())] if cuda else []
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda and hasattr(torch.cuda, "nccl") else None
-    figs = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "nccl": nccl, "cudnn": torch.backends.cudnn.version() if cuda else None, "gpus": gpus,
-            "packages": {p: _version(p) for p in OPTIONAL}, "platform": platform.platform(),
-            **toolchain()}
-    missing = [p for p, v in figs["packages"].items() if v is None]
-    where = (f"{len(gpus)} x {gpus[0]['name']}" if gpus else "no GPU") + f", torch {torch.__version__}"
-    where += f", CUDA {torch.version.cuda}, NCCL {nccl}" if cuda else f" ({s.device} check)"
-    ok = cuda or s.device == "cpu"
-    lacks = [what for what, there in (("a C compiler (set CC)", figs["c_compiler"]),
-                                      ("Python.h", figs["python_headers"])) if not there]
-    return [Item("environment", "pass" if ok else "fail",
-                 where + (f"; not installed: {', '.join(missing)}" if missing else "")
-                 + (f"; torch.compile will fail, no {' nor '.join(lacks)}" if lacks else ""), figs)]
-
 
 
 def model_for(s: Setting):
@@ -124,8 +112,9 @@ def strategy_configs(s: Setting) -> tuple[dict, list[str]]:
     for name, spec in STRATEGIES.items():
         if name == "single" or (s.strategies and name not in s.strategies):
             continue
-        if s.world < 2 and name not in ALONE:
-            skipped.append(f"{name}: needs >= 2 GPUs (on one it runs without a single collective)")
+        if s.world < 2:  # fsdp too: on one rank labkit trains without FSDP2 (the item "fsdp2 alone" wraps it)
+            skipped.append(f"{name}: needs >= 2 GPUs (on one it runs without a single collective"
+                           + ("; see the item 'fsdp2 alone')" if name == "fsdp" else ")"))
             continue
         if spec.deepspeed and not has("deepspeed"):
             skipped.append(f"{name}: needs the package 'deepspeed'")
@@ -160,10 +149,11 @@ def strategies(s: Setting) -> list[Item]:
     from labkit.train import TrainConfig, train, train_many
 
     configs, skipped = strategy_configs(s)
-    model = model_for(s)
-    ref = train(TrainConfig(device=s.device, steps=s.steps, batch_size=8 * s.world, lr=3e-3, seed=0), model)
-    runs = launch(train_many, list(configs.values()), model, world_size=s.world, device=s.device, quiet=True,
-                  timeout=1200)[0]
+    model, runs = model_for(s), []
+    if configs:  # on one GPU none: no reference to train, no rank to start
+        ref = train(TrainConfig(device=s.device, steps=s.steps, batch_size=8 * s.world, lr=3e-3, seed=0), model)
+        runs = launch(train_many, list(configs.values()), model, world_size=s.world, device=s.device, quiet=True,
+                      timeout=1200)[0]
     items = []
     for (name, cfg), run in zip(configs.items(), runs):
         dev = _max_dev(run["loss"], ref["loss"])
@@ -203,14 +193,17 @@ def precision(s: Setting) -> list[Item]:
     base = TrainConfig(device=s.device, steps=s.steps, batch_size=8 * s.world, lr=3e-3, seed=0, count_comm="none")
     items, cases = [], {}
     for name, (strat, extra, _) in PRECISIONS.items():
-        if extra.get("tf32") and s.device != "cuda":
+        if s.world == 1 and strat != "ddp":  # FSDP2 and DeepSpeed would not shard; ddp's rows run as one process
+            items.append(Item(f"precision {name}", "skip", "needs >= 2 GPUs (on one, nothing is sharded"
+                              + ("; the item 'fsdp2 alone' runs FSDP2's bf16 parameters)" if strat == "fsdp" else ")")))
+        elif extra.get("tf32") and s.device != "cuda":
             items.append(Item(f"precision {name}", "skip", "needs CUDA (TF32 is a CUDA feature)"))
         elif strat == "zero2" and extra["precision"] == "fp16" and s.device != "cuda":
             items.append(Item(f"precision {name}", "skip", "needs CUDA (DeepSpeed's fp16 optimizer)"))
         elif strat == "zero2" and not has("deepspeed"):
             items.append(Item(f"precision {name}", "skip", "needs the package 'deepspeed'"))
         else:
-            cases[name] = replace(base, strategy=strat, **extra)
+            cases[name] = replace(base, strategy=strat if s.world > 1 else "single", **extra)
     fp32 = train(base, model)["loss"]
     # One process in the same precision (TF32 and autocast included; FSDP2's bf16 parameters and
     # DeepSpeed's bf16 weights are their own recipes: their twin is bf16 autocast)
@@ -220,7 +213,8 @@ def precision(s: Setting) -> list[Item]:
     for (name, cfg), run in zip(cases.items(), runs):
         twin, drift, bar = _max_dev(run["loss"], refs[name]), _max_dev(run["loss"], fp32), PRECISIONS[name][2]
         ok = twin < bar and drift < LOSS_TOL["vs fp32"]
-        items.append(Item(f"precision {name}", "pass" if ok else "fail",
+        label = name if s.world > 1 else name.replace("(ddp)", "(one process)")  # on one GPU: its drift only
+        items.append(Item(f"precision {label}", "pass" if ok else "fail",
                           f"max |loss - one process, same precision| {twin:.1e} (bar {bar:g}); "
                           f"|loss - fp32| {drift:.1e} (bar {LOSS_TOL['vs fp32']:g})",
                           {"max_loss_dev": twin, "max_dev_vs_fp32": drift}))

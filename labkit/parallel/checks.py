@@ -34,10 +34,10 @@ def check_layout(d: Degrees, model: GPTConfig, rows: int | None = None, microbat
         if model.dropout:
             raise ValueError(f"dropout={model.dropout} is not supported with cp={d.cp}: ring attention has no "
                              "attention dropout; use dropout=0")
-    _check_experts(d, model, sequence_parallel)
+    _check_experts(d, model, sequence_parallel, activation_checkpointing)
 
 
-def _check_experts(d: Degrees, model: GPTConfig, sequence_parallel: bool) -> None:
+def _check_experts(d: Degrees, model: GPTConfig, sequence_parallel: bool, recompute: str = "none") -> None:
     if d.ep > 1 and not model.moe_experts:
         raise ValueError(f"ep={d.ep} needs a mixture-of-experts model: set moe_experts (--moe-experts E, a "
                          "multiple of ep)")
@@ -51,6 +51,12 @@ def _check_experts(d: Degrees, model: GPTConfig, sequence_parallel: bool) -> Non
                ("pp", d.pp, "the load-balancing loss of each stage's blocks would need a backward of its own"),
                ("sequence_parallel with tp", d.tp if sequence_parallel else 1,
                 "sequence parallelism would route each rank's slice of the tokens apart"))
+    if recompute.startswith("selective") and d.dp_replicate * d.dp_shard > 1:
+        # Seen (issue 45's combinations): torch raises "profiler._record_function_enter_new ... encountered
+        # during backward but not found in storage" at the first backward
+        raise ValueError(f"activation_checkpointing={recompute!r} is not supported with moe_experts="
+                         f"{model.moe_experts} and {d.label()}: FSDP2 shards the experts inside each checkpointed block, and its hooks' "
+                         "profiler ranges change the ops the selective cache replays; use 'full' or 'every:k'")
     for name, degree, why in refused:
         if degree > 1:
             raise ValueError(f"moe_experts={model.moe_experts} (a mixture of experts) is not supported with "

@@ -10,13 +10,14 @@ Dimensions, outermost first. Ranks are numbered as ``init_device_mesh`` numbers 
 dimension fastest, so an inner dimension's groups are neighbouring ranks: one node's GPUs.
 
 * ``pp``, pipeline stages: one activation per micro-batch to the next stage, the least traffic of
-  all, so stages may sit on different nodes (Narayanan et al. 2021, section 3.3).
+  all, so stages may sit on different nodes (Narayanan et al. 2021, section 3.2, takeaway 1).
 * ``dp_replicate``: copies of the model, their gradients all-reduced once per step (HSDP's replicate
   dimension, Zhao et al. 2023): little traffic, across nodes.
 * ``dp_shard``: FSDP's shard group (ZeRO-3): an all-gather and a reduce-scatter per block.
 * ``ep``: experts split over ranks, two all-to-alls of tokens per MoE block each way.
 * ``cp``: each sequence split over ranks, its K and V passed round a ring in every attention.
-* ``tp``, innermost: four collectives of activations per block, on the critical path: NVLink only.
+* ``tp``, innermost: two all-reduces of activations per block in forward and two in backward, on the
+  critical path: NVLink only.
 
 Who holds what. The global batch's rows are split over ``dp_replicate x dp_shard x ep`` (the *data*
 ranks); ``cp`` splits each row's tokens; ``tp`` and ``pp`` ranks share rows. The ranks holding
@@ -117,9 +118,10 @@ class Degrees:
 class ParallelDims:
     """The mesh of a run and every group cut from it (a collective: every rank builds it, in order).
 
-    Views of one 1-D world mesh, unflattened as torchtitan does: ``mesh`` has the dimensions of
-    :data:`DIMS` above 1; ``dense`` is ``(pp, replicate, shard, tp)``, the data-parallel dimensions
-    regrouped as FSDP2 takes them (module docstring), again those above 1 (HSDP keeps a shard of 1).
+    One mesh, the world unflattened once: ``mesh`` has the dimensions of :data:`DIMS` above 1; ``dense``
+    holds the 1-D meshes ``pp``, ``replicate``, ``shard`` and ``tp`` (and HSDP's 2-D ``("replicate",
+    "shard")``), the data-parallel dimensions regrouped as FSDP2 takes them (module docstring), cut from
+    that mesh without splitting it again (:func:`_built`; HSDP keeps a shard of 1).
     """
 
     def __init__(self, degrees: Degrees, device_type: str = "cpu") -> None:
@@ -204,6 +206,15 @@ class ParallelDims:
         return out
 
 
+def alone_mesh(device_type: str = "cpu"):
+    """A 1-D mesh of one rank (a process group of one must exist): FSDP2 in a group of one still wraps,
+    casts to its compute dtype and reshards, which is what a GPU check on one GPU can exercise of it
+    (:class:`ParallelDims` builds no mesh for one rank, and labkit's loop trains it without FSDP2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (1,), mesh_dim_names=("shard",))
+
+
 # Groups live as long as the process (each gloo group keeps its threads and sockets), so a process that
 # trains one layout many times (a lab, a test's grid) builds that layout's groups once: 20 fresh meshes
 # per rank left 8 ranks on 2 cores 4x slower a step, measured.
@@ -212,29 +223,55 @@ _BUILT: dict[tuple[str, Degrees], tuple] = {}
 
 def _built(d: Degrees, device_type: str, rank: int) -> tuple:
     """``(mesh, dense, tokens_group, pp_ends_group)`` of a layout, built by every rank together the
-    first time the default group asks for it."""
+    first time the default group asks for it.
+
+    The world is split once, into the dimensions of :data:`DIMS` (each split a collective over every
+    rank; on CUDA with a bound device, one NCCL communicator per rank per dimension). Every other view is
+    cut from that one mesh, as torchtitan's ``ParallelDims`` slices and flattens its world mesh: the
+    dense weights' ``shard`` and the ``tokens`` are flattened from neighbouring dimensions, a new group
+    only where they span more than one (a dimension alone is its own group, and tokens over the shard's
+    dimensions are the shard's), and HSDP's 2-D mesh is two 1-D meshes side by side
+    (``DeviceMesh._concatenate``: no group made). Unflattening the world once per view, as labkit did
+    before, split every dimension three times: communicators, warnings and start-up time for nothing."""
     world_group = dist.distributed_c10d._get_default_group()
     hit = _BUILT.get((device_type, d))
     if hit is not None and hit[0] is world_group:
         return hit[1:]
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     world = init_device_mesh(device_type, (d.world,), mesh_dim_names=("world",))
     # HSDP's 2-D meshes keep a shard dimension of 1 (replication alone); FSDP2 takes them so.
     mesh = _view(world, {n: getattr(d, n) for n in DIMS}, keep="dp_shard" if d.dp_replicate > 1 else "")
-    dense = _view(world, {"pp": d.pp, "replicate": d.replicate, "shard": d.shard, "tp": d.tp},
-                  keep="shard" if d.replicate > 1 else "")
-    tokens_group = None
-    if d.tokens > 1:
-        tokens_group = _view(world, {"pp": d.pp, "tokens": d.tokens, "tp": d.tp})["tokens"].get_group()
+    made: dict[tuple[str, ...], object] = {}
+    dense = {"pp": _joined(mesh, ("pp",), "pp", made), "replicate": _joined(mesh, ("dp_replicate",), "", made),
+             "shard": _joined(mesh, ("dp_shard", "ep", "cp"), "shard", made), "tp": _joined(mesh, ("tp",), "", made)}
+    if dense["replicate"] is not None:
+        dense["replicate", "shard"] = DeviceMesh._concatenate([dense["replicate"], dense["shard"]])
+    tokens = _joined(mesh, ("dp_replicate", "dp_shard", "ep", "cp"), "tokens", made)
+    tokens_group = tokens.get_group() if d.tokens > 1 else None
     pp_ends = _pp_ends(d, mesh, rank)
     _BUILT[(device_type, d)] = (world_group, mesh, dense, tokens_group, pp_ends)
     return mesh, dense, tokens_group, pp_ends
 
 
 def _size(view, dim: str) -> int:
-    """``dim``'s size in a view (1 where the view left it out)."""
+    """``dim``'s size in a view (1 where the view left it out): the mesh, or the dense meshes by name."""
+    if isinstance(view, dict):
+        return view[dim].size() if view.get(dim) is not None else 1
     return view[dim].size() if dim in view.mesh_dim_names else 1
+
+
+def _joined(mesh, dims: tuple[str, ...], name: str, made: dict):
+    """The 1-D mesh over ``dims`` of ``mesh`` together: a dimension above 1 alone is itself; several are
+    flattened into ``name`` (once: ``made`` keeps what was flattened); none above 1, the kept dimension
+    of 1 (HSDP's shard), or None."""
+    there = [n for n in dims if n in mesh.mesh_dim_names]
+    above = tuple(n for n in there if mesh[n].size() > 1)
+    if len(above) > 1:
+        if above not in made:
+            made[above] = mesh[above]._flatten(name)
+        return made[above]
+    return mesh[(above or there)[0]] if there else None
 
 
 def _view(world, sizes: dict[str, int], keep: str = ""):

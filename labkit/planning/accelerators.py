@@ -19,6 +19,8 @@ class Accelerator:
     price_on_demand: float  # USD per device-hour: an assumption, override it
     price_spot: float
     source: str
+    hbm_tb_per_s: float | None = None  # datasheet memory bandwidth, TB/s (1e12 bytes)
+    sms: int | None = None  # streaming multiprocessors (AMD: compute units) of the whole card
 
     @property
     def peak_bf16_tflops(self) -> float:
@@ -33,32 +35,72 @@ def _peaks(bf16: float, tf32: float, fp32: float, fp16: float | None = None) -> 
 # public cloud list prices per GPU-hour in 2024-2026; pass your own.
 ACCELERATORS = {
     "a100-40gb": Accelerator("NVIDIA A100 40GB SXM", 40, _peaks(312, 156, 19.5), 3.00, 1.20,
-                             "NVIDIA A100 datasheet (2021): BF16/FP16 312, TF32 156, FP32 19.5 TFLOP/s dense"),
+                             "NVIDIA A100 datasheet (2021): BF16/FP16 312, TF32 156, FP32 19.5 TFLOP/s dense; "
+                             "1,555 GB/s", 1.555, 108),
     "a100-80gb": Accelerator("NVIDIA A100 80GB SXM", 80, _peaks(312, 156, 19.5), 4.10, 1.60,
-                             "NVIDIA A100 datasheet (2021): BF16/FP16 312, TF32 156, FP32 19.5 TFLOP/s dense"),
+                             "NVIDIA A100 datasheet (2021): BF16/FP16 312, TF32 156, FP32 19.5 TFLOP/s dense; "
+                             "2,039 GB/s", 2.039, 108),
     "h100-80gb": Accelerator("NVIDIA H100 80GB SXM", 80, _peaks(989, 495, 67), 6.90, 2.80,
-                             "NVIDIA H100 datasheet: BF16/FP16 989, TF32 495, FP32 67 TFLOP/s dense (SXM5)"),
+                             "NVIDIA H100 datasheet: BF16/FP16 989, TF32 495, FP32 67 TFLOP/s dense (SXM5); "
+                             "3.35 TB/s", 3.35, 132),
+    # The same chip with fewer SMs and lower clocks: read as the SXM, MFU on them came out 16-24% low
+    "h100-pcie": Accelerator("NVIDIA H100 80GB PCIe", 80, _peaks(756, 378, 51), 5.50, 2.20,
+                             "NVIDIA H100 datasheet: BF16/FP16 756, TF32 378, FP32 51 TFLOP/s dense (PCIe); "
+                             "2.0 TB/s", 2.0, 114),
+    "h100-nvl": Accelerator("NVIDIA H100 NVL 94GB", 94, _peaks(835, 418, 60), 6.00, 2.40,
+                            "NVIDIA H100 datasheet: BF16/FP16 835, TF32 418, FP32 60 TFLOP/s dense (NVL); "
+                            "3.9 TB/s", 3.9, 132),
     "h200": Accelerator("NVIDIA H200 141GB SXM", 141, _peaks(989, 495, 67), 8.50, 3.50,
-                        "NVIDIA H200 datasheet: BF16/FP16 989, TF32 495, FP32 67 TFLOP/s dense (SXM)"),
+                        "NVIDIA H200 datasheet: BF16/FP16 989, TF32 495, FP32 67 TFLOP/s dense (SXM); 4.8 TB/s",
+                        4.8, 132),
     "l4": Accelerator("NVIDIA L4 24GB", 24, _peaks(121, 60, 30.3), 0.80, 0.30,
-                      "NVIDIA L4 datasheet: BF16/FP16 121, TF32 60, FP32 30.3 TFLOP/s dense"),
+                      "NVIDIA L4 datasheet: BF16/FP16 121, TF32 60, FP32 30.3 TFLOP/s dense; 300 GB/s", 0.3, 58),
     "l40s": Accelerator("NVIDIA L40S 48GB", 48, _peaks(362, 183, 91.6), 2.00, 0.80,
-                        "NVIDIA L40S datasheet: BF16/FP16 362, TF32 183, FP32 91.6 TFLOP/s dense"),
+                        "NVIDIA L40S datasheet: BF16/FP16 362, TF32 183, FP32 91.6 TFLOP/s dense; 864 GB/s", 0.864,
+                        142),
     "mi300x": Accelerator("AMD Instinct MI300X 192GB", 192, _peaks(1307, 654, 163), 6.00, 2.50,
-                          "AMD MI300X datasheet: BF16/FP16 1307, TF32 654, FP32 163 TFLOP/s dense (matrix)"),
+                          "AMD MI300X datasheet: BF16/FP16 1307, TF32 654, FP32 163 TFLOP/s dense (matrix); "
+                          "5.3 TB/s", 5.3, 304),
 }
 
 
 def from_device_name(name: str) -> str | None:
-    """The table's key for a CUDA device name (``torch.cuda.get_device_name()``), or None."""
+    """The table's key for a CUDA device name (``torch.cuda.get_device_name()``), or None.
+
+    The H100's variants share the name "H100" and differ in peak by a quarter: "H100 PCIe" and "H100 NVL"
+    name theirs, the SXM's is "H100 80GB HBM3". A MIG slice's name is its card's with the profile after it
+    ("... MIG 1g.10gb"): the card is found here, the slice's share by :func:`device_share`."""
     n = name.upper()
-    for key, needle in (("h200", "H200"), ("h100-80gb", "H100"), ("l40s", "L40S"), ("l4", "L4"),
-                        ("mi300x", "MI300X")):
+    if "H100" in n:
+        return "h100-pcie" if "PCIE" in n else "h100-nvl" if "NVL" in n else "h100-80gb"
+    for key, needle in (("h200", "H200"), ("l40s", "L40S"), ("l4", "L4"), ("mi300x", "MI300X")):
         if needle in n:
             return key
     if "A100" in n:
         return "a100-40gb" if "40GB" in n.replace(" ", "") else "a100-80gb"
     return None
+
+
+def device_share(key: str, sms: int | None) -> float:
+    """The share of the datasheet's card a device holds: its SMs over the card's (1 for a whole GPU). A
+    MIG slice's name says its profile but not its SMs (a 1g slice of an H100 has 16 of the 132, not
+    1/7 of them), so the count torch reports is the scale (``multi_processor_count``)."""
+    full = ACCELERATORS[key].sms
+    return min(1.0, sms / full) if sms and full else 1.0
+
+
+def datasheet(name: str, sms: int | None = None, memory_gb: float | None = None) -> dict | None:
+    """What labkit reads for the device called ``name`` with ``sms`` SMs and ``memory_gb`` of memory:
+    its table key, the share of the card it is, its dense peaks (TFLOP/s by dtype) and memory bandwidth
+    (TB/s) scaled to that share; None for a device the table does not know. A MIG slice's bandwidth
+    scales with its memory slices, which is what its memory size counts."""
+    key = from_device_name(name)
+    if key is None:
+        return None
+    a, share = ACCELERATORS[key], device_share(key, sms)
+    mem_share = min(1.0, memory_gb / a.memory_gb) if memory_gb and share < 1 else share
+    return {"key": key, "share": share, "peak_tflops": {k: v * share for k, v in a.peak_tflops.items()},
+            "hbm_tb_per_s": a.hbm_tb_per_s * mem_share if a.hbm_tb_per_s else None, "source": a.source}
 
 
 def accelerator(name: str) -> Accelerator:

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "Hugging Face config.json, or the folder holding it (llama, mistral, mixtral, qwen2, gpt2)")
     _shape_flags(p)
     p.add_argument("--devices", type=int, default=8, help="number of accelerators")
-    p.add_argument("--device-type", default=None, choices=sorted(ACCELERATORS), help="default a100-80gb")
+    # the devices the planner has a node model for (the datasheet table has more variants, for MFU)
+    p.add_argument("--device-type", default=None, choices=sorted(HARDWARE), help="default a100-80gb")
     p.add_argument("--device-gb", type=float, default=None, help="device memory in GB (10^9 bytes), for any "
                    "device; overrides --device-type's (whose peak and prices --tokens still uses)")
     p.add_argument("--micro-batch", type=int, default=1)

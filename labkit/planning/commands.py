@@ -47,6 +47,9 @@ def refused(plan, shape: ModelShape) -> str | None:
         return "context-parallel ranks shard the weights with FSDP"
     if plan.offload and plan.tp * plan.pp * plan.cp * plan.ep > 1:
         return "optimizer offload is DeepSpeed's ZeRO-3, on data parallelism alone"
+    deepspeed = plan.offload or plan.zero in (1, 2)
+    if deepspeed and plan.recompute in ("selective", "op"):
+        return "DeepSpeed's activation checkpointing has no selective policy (full or every:k)"
     try:
         check_layout(degrees(plan), model_config(shape), plan.global_batch // plan.dp,
                      plan.microbatches if plan.pp > 1 else None, plan.schedule, "torch",

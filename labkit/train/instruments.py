@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from labkit.planning.accelerators import ACCELERATORS, from_device_name
+from labkit.planning.accelerators import datasheet
 from labkit.planning.cost import flops_per_token
 from labkit.train.config import parse_steps
 
@@ -126,9 +126,11 @@ def _peak_tflops(cfg: TrainConfig, device: torch.device) -> float | None:
         return cfg.peak_tflops
     if device.type != "cuda":
         return None
-    key = from_device_name(torch.cuda.get_device_name(device))
+    # the device's own share of its card: a MIG slice is compared with its SMs, not the whole GPU's
+    props = torch.cuda.get_device_properties(device)
+    sheet = datasheet(torch.cuda.get_device_name(device), props.multi_processor_count)
     dtype = "tf32" if cfg.precision == "fp32" and cfg.tf32 else MATMUL_DTYPE[cfg.precision]
-    return ACCELERATORS[key].peak_tflops[dtype] if key else None
+    return sheet["peak_tflops"][dtype] if sheet else None
 
 
 def speed(cfg: TrainConfig, model_cfg: GPTConfig, device: torch.device, world: int, times: list[float],

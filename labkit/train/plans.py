@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from labkit.core.data import check_shard
-from labkit.parallel.mesh import ParallelDims
+from labkit.parallel.mesh import Degrees, ParallelDims
 
 if TYPE_CHECKING:
     from labkit.core.model import GPT, GPTConfig
@@ -44,18 +44,7 @@ class Plan:
 
     def check_run(self) -> None:
         """What this layout cannot do with this model and batch; one line naming the field."""
-        from labkit.parallel.checks import check_layout
-
-        cfg, d = self.cfg, self.dims.degrees
-        rows = check_shard(cfg.batch_size, self.dims.data_world)
-        check_layout(d, self.model_cfg, rows, cfg.microbatches if self.pipelined else None, cfg.pp_schedule,
-                     self.spec.pp_impl or "torch", cfg.sequence_parallel, cfg.activation_checkpointing, cfg.pp_split)
-        if self.pipelined and cfg.grad_accum > 1:
-            raise ValueError(f"grad_accum={cfg.grad_accum} is not used with a pipeline (pp={d.pp}): its "
-                             "microbatches are the accumulation; set grad_accum=1 and microbatches instead")
-        if rows % cfg.grad_accum:
-            raise ValueError(f"grad_accum={cfg.grad_accum} must divide the {rows} rows each rank gets per "
-                             f"step (batch_size={cfg.batch_size} over {self.dims.data_world} ranks)")
+        check_run(self.cfg, self.spec, self.model_cfg, self.dims.degrees)
 
     def place(self, model: GPT) -> None:
         from labkit.parallel.compose import Options, parallelize
@@ -110,3 +99,28 @@ class Plan:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer whole, on the CPU (a collective under sharding)."""
         return self.placed.full_state_dict()
+
+
+def check_run(cfg: TrainConfig, spec: Strategy, model_cfg: GPTConfig, d: Degrees) -> None:
+    """What the layout ``d`` cannot do with this model and batch, one line naming the field: arithmetic
+    on the configs alone, so a launcher can ask it before any rank starts."""
+    from labkit.parallel.checks import check_layout
+
+    pipelined = spec.pp_impl is not None or d.pp > 1
+    rows = check_shard(cfg.batch_size, d.data)
+    check_layout(d, model_cfg, rows, cfg.microbatches if pipelined else None, cfg.pp_schedule,
+                 spec.pp_impl or "torch", cfg.sequence_parallel, cfg.activation_checkpointing, cfg.pp_split)
+    if pipelined and cfg.grad_accum > 1:
+        raise ValueError(f"grad_accum={cfg.grad_accum} is not used with a pipeline (pp={d.pp}): its "
+                         "microbatches are the accumulation; set grad_accum=1 and microbatches instead")
+    if rows % cfg.grad_accum:
+        raise ValueError(f"grad_accum={cfg.grad_accum} must divide the {rows} rows each rank gets per "
+                         f"step (batch_size={cfg.batch_size} over {d.data} ranks)")
+    # Accepted and then ignored, these trained as something else (a GPU check passed fp32 as bf16 parameters)
+    if cfg.fsdp_bf16 and d.tokens == 1 and spec.dp_impl == "fsdp":
+        where = f"{d.label()} on {d.world} ranks" if d.world > 1 else "one rank"
+        raise ValueError(f"fsdp_bf16=True has no effect with {where}: FSDP2 wraps the weights only where ranks "
+                         "hold different tokens (dp_replicate x dp_shard x ep x cp > 1); use precision='bf16' here")
+    if cfg.sequence_parallel and d.tp == 1:
+        raise ValueError(f"sequence_parallel=True has no effect with tp=1 ({d.label()}): it splits what tensor "
+                         "parallelism's ranks would each repeat; leave it out")
