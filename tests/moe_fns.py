@@ -20,7 +20,10 @@ from labkit.comm.counter import CommCounter
 from labkit.core.data import get_batch, load_corpus, train_val_split
 from labkit.core.model import GPT, GPTConfig
 from labkit.core.moe import MoEMLP
-from labkit.parallel.expert_parallel import ExpertParallel, record_all_to_all
+from labkit.core.moe_routing import update_router_biases
+from labkit.parallel.expert_nodes import on_nodes
+from labkit.parallel.expert_nodes_check import placement_vs_one_process
+from labkit.parallel.expert_parallel import ExpertParallel, ExpertParallelPlacement, record_all_to_all
 
 PATCHED = "moe_experts" in {f.name for f in fields(GPTConfig)}
 
@@ -61,7 +64,7 @@ def build(cfg: MoEConfig, seed: int = 0) -> MoEGPT:
 
 
 def train_moe(cfg: MoEConfig, steps: int, batch: int, lr: float = 1e-3, ep: int = 0, a2a: str = "scratch",
-              count_steps: int = 0) -> dict:
+              count_steps: int = 0, per_node: int = 0) -> dict:
     """AdamW steps on this rank's rows (all rows alone); global losses, this rank's parameters, and
     per step: each block's routing stats and this rank's all-to-all traffic (and, for the first
     ``count_steps``, what :class:`CommCounter` saw: its first use imports torch._dynamo, ~3 s)."""
@@ -78,7 +81,8 @@ def train_moe(cfg: MoEConfig, steps: int, batch: int, lr: float = 1e-3, ep: int 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 return dnn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    net = ExpertParallel(model, ep, fn) if ep else model
+    make = on_nodes(per_node) if per_node else ExpertParallelPlacement  # two hops across "nodes"
+    net = ExpertParallel(model, ep, fn, make) if ep else model
     opt = torch.optim.AdamW(net.parameters(), lr=lr)
     out = {"loss": [], "stats": [], "a2a": [], "counter": []}
     for step in range(steps):
@@ -89,6 +93,7 @@ def train_moe(cfg: MoEConfig, steps: int, batch: int, lr: float = 1e-3, ep: int 
         if ep:
             net.finish_gradient_sync()
         opt.step()
+        update_router_biases(model)  # DeepSeek-V3's bias step, where the config asks for it
         opt.zero_grad(set_to_none=True)
         loss = loss.detach()
         if world > 1:
@@ -112,3 +117,8 @@ def ep_suite(runs: list[dict]) -> list[dict]:
     torch.set_num_threads(1)
     return [train_moe(**kw) for kw in runs]
 
+
+
+def node_suite(configs: list[dict]) -> list[dict]:
+    """:func:`placement_vs_one_process` for several layouts in one launch."""
+    return [placement_vs_one_process(**kw) for kw in configs]

@@ -35,6 +35,11 @@ class GPTConfig:
     moe_top_k: int = 2  # experts each token is sent to
     moe_capacity_factor: float = 1.25  # expert capacity = ceil(factor x top_k x tokens / experts); 0: no limit
     moe_aux_weight: float = 0.01  # weight of the load-balancing loss, per MoE block (Switch: 1e-2)
+    moe_expert_ffn: int = 0  # each expert's hidden width; 0: 4 x n_embd (fine-grained experts: narrower)
+    moe_shared: int = 0  # shared experts, run on every token without routing (DeepSeekMoE)
+    moe_bias_rate: float = 0.0  # auxiliary-loss-free balancing: the bias update speed (DeepSeek-V3); 0: off
+    moe_groups: int = 0  # node-limited routing: the experts cut into this many groups (nodes); 0: off
+    moe_group_limit: int = 0  # ... and each token routed to experts of at most this many groups
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -58,6 +63,19 @@ class GPTConfig:
         at_most("GPTConfig.moe_aux_weight", self.moe_aux_weight, 1e3, "Switch uses 1e-2; more drowns the loss")
         if self.moe_experts and self.moe_top_k > self.moe_experts:
             raise ValueError(f"GPTConfig.moe_top_k={self.moe_top_k} must be at most moe_experts={self.moe_experts}")
+        for name in ("moe_expert_ffn", "moe_shared", "moe_groups", "moe_group_limit"):
+            non_negative_int(f"GPTConfig.{name}", getattr(self, name))
+        non_negative_number("GPTConfig.moe_bias_rate", self.moe_bias_rate)
+        at_most("GPTConfig.moe_bias_rate", self.moe_bias_rate, 1.0, "DeepSeek-V3 uses 1e-3 on probabilities of at most 1")
+        if self.moe_experts and self.moe_groups and self.moe_experts % self.moe_groups:
+            raise ValueError(f"GPTConfig.moe_groups={self.moe_groups} must divide moe_experts={self.moe_experts}")
+        if bool(self.moe_groups) != bool(self.moe_group_limit) or self.moe_group_limit > self.moe_groups:
+            raise ValueError(f"GPTConfig.moe_group_limit={self.moe_group_limit} must be in 1..moe_groups="
+                             f"{self.moe_groups} (both 0: no limit)")
+        if self.moe_experts and self.moe_groups and \
+                self.moe_group_limit * (self.moe_experts // self.moe_groups) < self.moe_top_k:
+            raise ValueError(f"GPTConfig.moe_group_limit={self.moe_group_limit} groups hold fewer experts than "
+                             f"moe_top_k={self.moe_top_k}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -161,8 +179,10 @@ class GPT(nn.Module):
         C, b = cfg.n_embd, int(cfg.bias)
         ln = C * (1 + b)
         mlp = (4 * C * C + 4 * C * b) + (4 * C * C + C * b)
-        if cfg.moe_experts:  # E experts of the MLP's shape and a router (no bias)
-            mlp = cfg.moe_experts * mlp + C * cfg.moe_experts
+        if cfg.moe_experts:  # E experts F wide, a router (no bias), shared experts as one MLP S x F wide
+            F = cfg.moe_expert_ffn or 4 * C
+            expert = lambda w: (C * w + w * b) + (w * C + C * b)  # noqa: E731
+            mlp = cfg.moe_experts * expert(F) + C * cfg.moe_experts + (expert(cfg.moe_shared * F) if cfg.moe_shared else 0)
         block = 2 * ln + (3 * C * C + 3 * C * b) + (C * C + C * b) + mlp
         return cfg.vocab_size * C + cfg.block_size * C + cfg.n_layer * block + ln
 

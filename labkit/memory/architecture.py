@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit.core.checks import MAX_COUNT, one_of, positive_count
+from labkit.core.checks import MAX_COUNT, non_negative_int, one_of, positive_count
 
 FAMILIES = ("gpt", "llama", "qwen2")
 
@@ -43,6 +43,7 @@ class ModelShape:
     experts: int = 1
     experts_per_token: int = 1
     head_dim: int | None = None  # None: hidden / heads
+    shared_experts: int = 0  # experts every token runs through, unrouted (DeepSeekMoE), each intermediate wide
     n_active_params: int | None = None  # parameters one token runs through; None: all of them
 
     @property
@@ -80,7 +81,8 @@ class ModelShape:
     def from_dims(cls, family: str, hidden: int, layers: int, heads: int, vocab: int, seq_len: int = 4096,
                   kv_heads: int | None = None, intermediate: int | None = None, experts: int = 1,
                   experts_per_token: int = 1, head_dim: int | None = None, tied: bool | None = None,
-                  attention_bias: bool = False, mlp_bias: bool = False, note: str = "") -> "ModelShape":
+                  attention_bias: bool = False, mlp_bias: bool = False, note: str = "",
+                  shared_experts: int = 0) -> "ModelShape":
         """A shape whose parameters are counted exactly from its dimensions (:func:`count_params`)."""
         family = one_of("family", family, FAMILIES, "families")
         dims = {n: positive_count(n, v) for n, v in (("hidden", hidden), ("layers", layers), ("heads", heads),
@@ -99,7 +101,8 @@ class ModelShape:
             inter = 4 * hidden if family == "gpt" else -(-8 * hidden // 3 // 256) * 256
         shape = cls(0, dims["layers"], dims["hidden"], dims["heads"], dims["vocab"], dims["seq_len"], note, family,
                     kv, inter, experts, experts_per_token,
-                    positive_count("head_dim", head_dim) if head_dim is not None else None)
+                    positive_count("head_dim", head_dim) if head_dim is not None else None,
+                    non_negative_int("shared_experts", shared_experts))
         tied = (family == "gpt") if tied is None else bool(tied)
         total, active = count_params(shape, tied, attention_bias, mlp_bias)
         if total > MAX_COUNT:  # each dimension within bounds, their product not: refused here, by name
@@ -119,10 +122,16 @@ def linear_layers(shape: ModelShape) -> dict[str, tuple[int, int, int]]:
     and V as wide as grouped-query attention makes them), o, up (c_fc) and down (c_proj)."""
     h, d, E = shape.hidden, shape.d_head, shape.experts
     q, kv = shape.heads * d, shape.n_kv_heads * d
+    # Shared experts are one MLP shared_experts x intermediate wide (DeepSeek's code builds them so):
+    # every token runs through it, as through a dense MLP.
+    shared = shape.shared_experts * shape.ffn
     if shape.family == "gpt":
-        return {"qkv": (h, q + 2 * kv, 1), "o": (q, h, 1), "up": (h, shape.ffn, E), "down": (shape.ffn, h, E)}
-    return {"q": (h, q, 1), "k": (h, kv, 1), "v": (h, kv, 1), "o": (q, h, 1),
-            "gate": (h, shape.ffn, E), "up": (h, shape.ffn, E), "down": (shape.ffn, h, E)}
+        lin = {"qkv": (h, q + 2 * kv, 1), "o": (q, h, 1), "up": (h, shape.ffn, E), "down": (shape.ffn, h, E)}
+        return {**lin, **({"shared_up": (h, shared, 1), "shared_down": (shared, h, 1)} if shared else {})}
+    lin = {"q": (h, q, 1), "k": (h, kv, 1), "v": (h, kv, 1), "o": (q, h, 1),
+           "gate": (h, shape.ffn, E), "up": (h, shape.ffn, E), "down": (shape.ffn, h, E)}
+    shared_lin = {"shared_gate": (h, shared, 1), "shared_up": (h, shared, 1), "shared_down": (shared, h, 1)}
+    return {**lin, **(shared_lin if shared else {})}
 
 
 def count_params(shape: ModelShape, tied: bool, attention_bias: bool = False,
@@ -135,9 +144,11 @@ def count_params(shape: ModelShape, tied: bool, attention_bias: bool = False,
     attn = sum(i * o for name, (i, o, _) in lin.items() if name in ("q", "k", "v", "o", "qkv"))
     mlp = sum(i * o for name, (i, o, _) in lin.items() if name in ("gate", "up", "down"))  # one expert
     router = h * E if E > 1 else 0
+    shared = sum(i * o for name, (i, o, _) in lin.items() if name.startswith("shared_"))
     if shape.family == "gpt":  # every linear has a bias; LayerNorms have weight and bias
         attn += sum(o for name, (_, o, _) in lin.items() if name in ("qkv", "o"))
         mlp += shape.ffn + h
+        shared += shape.shared_experts * shape.ffn + h if shape.shared_experts else 0
         norms, final_norm, embed = 4 * h, 2 * h, V * h + shape.seq_len * h
     else:
         if attention_bias:
@@ -146,9 +157,10 @@ def count_params(shape: ModelShape, tied: bool, attention_bias: bool = False,
             attn += sum(o for name, (_, o, _) in lin.items() if name in ("q", "k", "v"))
         if mlp_bias:
             mlp += 2 * shape.ffn + h
+            shared += 2 * shape.shared_experts * shape.ffn + h if shape.shared_experts else 0
         norms, final_norm, embed = 2 * h, h, V * h
     head = 0 if tied else V * h
-    per_layer = attn + router + norms
+    per_layer = attn + router + norms + shared
     outside = embed + final_norm + head
     return outside + L * (per_layer + E * mlp), outside + L * (per_layer + k * mlp)
 
@@ -189,3 +201,21 @@ def expert_params(shape: ModelShape) -> int:
     if shape.family == "gpt":
         mlp += shape.ffn + shape.hidden  # biases
     return shape.n_layer * shape.experts * mlp
+
+
+def moe_costs(shape: ModelShape, value_bytes: int = 2) -> dict[str, float]:
+    """One MoE layer of ``shape``, per token: ``params`` (every routed expert, the shared ones, the
+    router; biases in the gpt family), ``active_params`` (the ``experts_per_token`` routed experts a
+    token runs, the shared ones, the router), ``flops`` (forward matrix multiplies: 2 per weight a
+    token meets) and ``dispatch_bytes`` (one all-to-all's rows for the routed copies; the shared
+    experts run where the token is, so they send nothing)."""
+    lin, h, E, k = linear_layers(shape), shape.hidden, shape.experts, shape.experts_per_token
+    if E <= 1:
+        raise ValueError(f"{shape.note or 'this shape'} has no experts")
+    routed = sum(i * o for i, o, c in lin.values() if c > 1)  # one expert's weights
+    shared = sum(i * o for name, (i, o, _) in lin.items() if name.startswith("shared_"))
+    gpt = shape.family == "gpt"  # biases: each expert's two layers, the shared MLP's two
+    expert_p = routed + (shape.ffn + h if gpt else 0)
+    shared_p = shared + (shape.shared_experts * shape.ffn + h if gpt and shape.shared_experts else 0)
+    return {"params": E * expert_p + shared_p + h * E, "active_params": k * expert_p + shared_p + h * E,
+            "flops": 2 * (k * routed + shared + h * E), "dispatch_bytes": k * h * value_bytes}

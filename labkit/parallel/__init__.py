@@ -12,7 +12,8 @@
 * :mod:`labkit.parallel.context_parallel` (ring attention), :mod:`labkit.parallel.ulysses` (all-to-all
   sequence parallelism), :mod:`labkit.parallel.cp_layout` (the zig-zag split):
   :mod:`labkit.parallel.context_parallel_torch` holds them against PyTorch's API on GPUs.
-* :mod:`labkit.parallel.expert_parallel`: a mixture of experts' experts over ranks, all-to-all.
+* :mod:`labkit.parallel.expert_parallel`: a mixture of experts' experts over ranks, all-to-all;
+  :mod:`labkit.parallel.expert_nodes`, the experts across nodes: two hops, each token once per node.
 * :mod:`labkit.parallel.lora` and :mod:`labkit.parallel.qlora`: low-rank adapters, from scratch and
   with ``peft``, on a frozen base in 16 bits or 4-bit NF4.
 

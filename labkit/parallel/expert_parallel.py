@@ -33,8 +33,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from labkit.comm.all_to_all import all_to_all_split
 from labkit.core.checks import positive_int
 from labkit.core.moe import MoEMLP, Placement
+from labkit.core.moe_grouped import run_experts
 from labkit.parallel.data_parallel import SyncOnRequest
 from labkit.parallel.mesh import Degrees, ParallelDims
 
@@ -48,20 +50,24 @@ class AllToAll(torch.autograd.Function):
     library's equivalent; the tests hold the two equal on gloo.)"""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _exchange(x, out_splits, in_splits, group)
+    def forward(ctx, x, out_splits, in_splits, group, counted=True):
+        ctx.splits, ctx.group, ctx.counted = (out_splits, in_splits), group, counted
+        return _exchange(x, out_splits, in_splits, group, counted)
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
-        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
+        return _exchange(grad, in_splits, out_splits, ctx.group, ctx.counted), None, None, None, None
 
 
-def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, counted: bool = True) -> torch.Tensor:
+    """``all_to_all_single``, recorded in the open :func:`record_all_to_all` logs unless ``counted`` is
+    False (routing metadata that travels beside the tokens)."""
     x = x.contiguous()
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    if not counted:
+        return out
     row = math.prod(x.shape[1:]) * x.element_size()
     me = dist.get_rank(group)
     for log in _RECORDS:
@@ -69,15 +75,22 @@ def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], grou
         log["bytes"] += (sum(in_splits) - in_splits[me]) * row  # to other ranks: the wire
         log["payload"] += sum(in_splits) * row  # the whole input, this rank's own rows included
         log["received"] += sum(out_splits) * row
+        if log["per_node"]:  # by where each destination sits: ranks numbered node by node
+            home = dist.get_rank() // log["per_node"]
+            for i, rows in enumerate(in_splits):
+                peer = dist.get_global_rank(group, i) if group is not None else i
+                if peer != dist.get_rank():
+                    log["leaving" if peer // log["per_node"] != home else "inside"] += rows * row
     return out
 
 
 @contextmanager
-def record_all_to_all() -> Iterator[dict]:
+def record_all_to_all(per_node: int = 0) -> Iterator[dict]:
     """Count this rank's token all-to-alls (forward and backward): calls, bytes sent to other ranks,
-    payload (the inputs whole) and bytes received (own rows included). The split-size exchange is
-    not counted."""
-    log = {"calls": 0, "bytes": 0, "payload": 0, "received": 0}
+    payload (the inputs whole) and bytes received (own rows included); with ``per_node`` (ranks a
+    node, numbered node by node) the bytes sent to other ranks split into ``inside`` the node and
+    ``leaving`` it. The split-size exchange is not counted."""
+    log = {"calls": 0, "bytes": 0, "payload": 0, "received": 0, "per_node": per_node, "inside": 0, "leaving": 0}
     _RECORDS.append(log)
     try:
         yield log
@@ -108,10 +121,10 @@ class ExpertParallelPlacement(Placement):
             dist.all_reduce(table, group=self.dims.tokens_group)
         return table
 
-    def run(self, experts: nn.ModuleDict, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def run(self, experts: nn.ModuleDict, x: torch.Tensor, counts: list[int], impl: str = "auto") -> torch.Tensor:
         ep, local, group = self.dims.degrees.ep, self.local, self.dims.group("ep")
         if ep == 1:  # every expert here: data parallelism with global routing, nothing to send
-            return super().run(experts, x, counts)
+            return super().run(experts, x, counts, impl)
         send = torch.tensor(counts, dtype=torch.int64, device=x.device)
         recv = torch.empty_like(send)  # recv[s*local + e]: rows rank s sends to my expert e
         dist.all_to_all_single(recv, send, group=group)  # the split sizes first
@@ -122,8 +135,8 @@ class ExpertParallelPlacement(Placement):
         # Regroup by local expert, run each expert on its rows, put them back in arrival order.
         which = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ep), recv.flatten())
         perm = torch.argsort(which, stable=True)
-        chunks = xr[perm].split(recv.sum(dim=0).tolist())
-        y = torch.cat([experts[str(self.first + e)](c) for e, c in enumerate(chunks)])
+        mine = [experts[str(self.first + e)] for e in range(local)]
+        y = run_experts(mine, xr[perm], recv.sum(dim=0).tolist(), impl)
         return self.a2a(y[torch.argsort(perm)], in_splits, out_splits, group)
 
 
@@ -131,11 +144,13 @@ def moe_blocks(module: nn.Module) -> list[MoEMLP]:
     return [m for m in module.modules() if isinstance(m, MoEMLP)]
 
 
-def place_experts(module: nn.Module, dims: ParallelDims, a2a=None) -> set[int]:
-    """Keep only this rank's experts in every MoE block of ``module`` and route through the EP group;
-    the ids of the expert parameters left (their gradients are reduced over other ranks than the rest's)."""
+def place_experts(module: nn.Module, dims: ParallelDims, a2a=None, make=ExpertParallelPlacement) -> set[int]:
+    """Keep only this rank's experts in every MoE block of ``module`` and route through the EP group
+    (``make(dims, n_experts, a2a)`` builds each block's placement: the flat all-to-all, or
+    :func:`labkit.parallel.expert_nodes.on_nodes`'s two hops); the ids of the expert parameters left
+    (their gradients are reduced over other ranks than the rest's)."""
     for block in moe_blocks(module):
-        block.placement = place = ExpertParallelPlacement(dims, block.n_experts, a2a)
+        block.placement = place = make(dims, block.n_experts, a2a)
         for e in range(block.n_experts):
             if not place.first <= e < place.first + place.local:
                 del block.experts[str(e)]
@@ -147,14 +162,14 @@ class ExpertParallel(SyncOnRequest):
     rest, with the gradients synchronised by hand (the training loop's ``ep`` strategy uses FSDP2 for
     that instead): call :meth:`finish_gradient_sync` after backward."""
 
-    def __init__(self, module: nn.Module, ep: int, a2a=None) -> None:
+    def __init__(self, module: nn.Module, ep: int, a2a=None, make=ExpertParallelPlacement) -> None:
         super().__init__(module)
         positive_int("ep", ep)
         world = dist.get_world_size()
         if world % ep:
             raise ValueError(f"ep={ep} must divide the world size {world}")
         self.dims = ParallelDims(Degrees(dp_replicate=world // ep, ep=ep))
-        self.expert_params = place_experts(module, self.dims, a2a)
+        self.expert_params = place_experts(module, self.dims, a2a, make)
 
     def expert_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if id(p) in self.expert_params]
@@ -222,7 +237,11 @@ def all_to_all_bytes(sent: Sequence[Sequence[int]], hidden: int, bytes_per_eleme
     return [2 * (o + i) * hidden * bytes_per_element for o, i in zip(out, into)]
 
 
-def expected_all_to_all_bytes(tokens: int, top_k: int, hidden: int, bytes_per_element: int, ep: int) -> float:
+def expected_all_to_all_bytes(tokens: int, top_k: int, hidden: int, bytes_per_element: int, ep: int,
+                              per_node: int = 0) -> float:
     """The same in expectation, with uniform routing and nothing dropped: 4 all-to-alls (2 forward,
-    2 backward) of ``top_k x tokens x hidden x bytes x (ep-1)/ep`` per rank (``tokens``: this rank's)."""
-    return 4 * top_k * tokens * hidden * bytes_per_element * (ep - 1) / ep
+    2 backward) of ``top_k x tokens x hidden x bytes`` per rank (``tokens``: this rank's), of which
+    ``(ep-1)/ep`` go to other ranks; with ``per_node`` only the part that leaves the node
+    (:func:`labkit.comm.all_to_all.all_to_all_split`, the planner's formula)."""
+    inside, leaving = all_to_all_split(ep, per_node or ep, 4 * top_k * tokens * hidden * bytes_per_element)
+    return leaving if per_node else inside + leaving

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from labkit.comm.all_to_all import all_to_all_split
 from labkit.planning.hardware import Hardware
 
 
@@ -86,12 +87,14 @@ def all_to_all(hw: Hardware, g: Group, nbytes: float) -> float:
     apply. Of what a rank sends, ``(k - 1) / n`` stays in its node (NVLink) and ``(n - k) / n``
     leaves it through the rank's own NIC (rail-optimised: one NIC per GPU), so a node of ``k``
     ranks pushes ``k (n - k) / n`` of a rank's bytes through its ``k`` NICs; both parts move at once
-    and the slower decides (DeepSeek-AI 2024, section 3.2.2, on the same split of IB and NVLink)."""
+    and the slower decides (DeepSeek-AI 2024, section 3.2.2, on the same split of IB and NVLink).
+    The split is :func:`labkit.comm.all_to_all.all_to_all_split`, the formula the expert-parallel
+    lab's measured bytes are held to."""
     if g.n <= 1 or nbytes <= 0:
         return 0.0
-    k = min(g.per_node, g.n)
-    inside = (k - 1) / g.n * nbytes / (hw.node.busbw_gb_per_s * 1e9)
-    leaving = (g.n - k) / g.n * nbytes / (hw.network.busbw_gb_per_s * 1e9)
+    inside_bytes, leaving_bytes = all_to_all_split(g.n, g.per_node, nbytes)
+    inside = inside_bytes / (hw.node.busbw_gb_per_s * 1e9)
+    leaving = leaving_bytes / (hw.network.busbw_gb_per_s * 1e9)
     latency = hw.network.step_latency_s if g.nodes > 1 else hw.node.step_latency_s
     return hw.base_latency_s + latency + max(inside, leaving)
 

@@ -38,6 +38,11 @@ MODEL_HELP = {
     "moe_top_k": "experts each token is routed to",
     "moe_capacity_factor": "expert capacity = ceil(factor x top_k x tokens / experts) token-choices; 0: no limit",
     "moe_aux_weight": "weight of each MoE block's load-balancing loss (Switch Transformer: 0.01)",
+    "moe_expert_ffn": "each expert's hidden width (0: 4 x n_embd; fine-grained experts are narrower)",
+    "moe_shared": "shared experts, run on every token without routing (DeepSeekMoE)",
+    "moe_bias_rate": "auxiliary-loss-free balancing: the routing bias's update speed per step (0: off)",
+    "moe_groups": "node-limited routing: experts in this many groups, as nodes hold them (0: off)",
+    "moe_group_limit": "node-limited routing: each token to experts of at most this many groups",
 }
 CLI_ONLY = ("return_params",)  # fields a notebook sets and a command line has no use for
 

@@ -28,6 +28,7 @@ from labkit.core import progress
 from labkit.core.data import get_batch, load_corpus, train_val_split
 from labkit.core.devices import current_device, gather_objects, rank_and_world
 from labkit.core.model import GPT, GPTConfig, build_model
+from labkit.core.moe_routing import update_router_biases
 from labkit.fault_tolerance.rng import seed_rngs
 from labkit.parallel.checks import check_layout
 from labkit.parallel.clipping import clip_grad_norm_
@@ -37,7 +38,7 @@ from labkit.train import instruments
 from labkit.train.config import TrainConfig, degrees_for
 from labkit.train.deepspeed_plan import DeepSpeedPlan
 from labkit.train.lr_schedule import lr_scheduler
-from labkit.train.plans import Plan
+from labkit.train.plans import Plan, check_run
 from labkit.train.probe import Probe
 from labkit.train.resumable import Resumable
 from labkit.train.strategies import STRATEGIES, strategy
@@ -45,14 +46,11 @@ from labkit.train.strategies import STRATEGIES, strategy
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def make_plan(cfg: TrainConfig, model_cfg: GPTConfig) -> Plan:
-    """The strategy's plan for this rank on its mesh, every check passed before any collective but the
-    mesh's own."""
+def check_ahead(cfg: TrainConfig, model_cfg: GPTConfig, world: int) -> Degrees:
+    """The layout ``cfg`` gives ``world`` ranks, every check the plan makes passed: arithmetic on the
+    configs, no process group, so that a combination labkit cannot train is refused in one line before
+    any rank starts (and each rank, under torchrun, refuses it again before its first collective)."""
     spec = strategy(cfg.strategy)
-    _, world = rank_and_world()
-    if spec.needs_group and not dist.is_initialized():
-        raise ValueError(f"strategy={spec.name!r} needs a process group: run it under labkit.launch.launch or "
-                         "torchrun (python -m labkit.train starts a one-rank group by itself)")
     if model_cfg.moe_experts and not spec.moe:
         raise ValueError(f"moe_experts={model_cfg.moe_experts} (a mixture-of-experts model) is not supported with "
                          f"strategy={spec.name!r}: its routing would be decided per rank, not over the global batch; "
@@ -64,10 +62,20 @@ def make_plan(cfg: TrainConfig, model_cfg: GPTConfig) -> Plan:
     check_layout(Degrees(**asked), model_cfg, None, cfg.microbatches if staged else None, cfg.pp_schedule,
                  spec.pp_impl or "torch", cfg.sequence_parallel, split=cfg.pp_split)  # the model, then the world
     degrees = degrees_for(cfg, world)
-    dims = ParallelDims(degrees, cfg.device)
-    plan = (DeepSpeedPlan if spec.deepspeed else Plan)(cfg, spec, model_cfg, current_device(cfg.device), dims)
-    plan.check_run()
-    return plan
+    check_run(cfg, spec, model_cfg, degrees)
+    return degrees
+
+
+def make_plan(cfg: TrainConfig, model_cfg: GPTConfig) -> Plan:
+    """The strategy's plan for this rank on its mesh, every check passed before any collective but the
+    mesh's own."""
+    spec = strategy(cfg.strategy)
+    _, world = rank_and_world()
+    if spec.needs_group and not dist.is_initialized():
+        raise ValueError(f"strategy={spec.name!r} needs a process group: run it under labkit.launch.launch or "
+                         "torchrun (python -m labkit.train starts a one-rank group by itself)")
+    dims = ParallelDims(check_ahead(cfg, model_cfg, world), cfg.device)
+    return (DeepSpeedPlan if spec.deepspeed else Plan)(cfg, spec, model_cfg, current_device(cfg.device), dims)
 
 
 def train_step(plan: Plan, x: torch.Tensor, y: torch.Tensor, probe: Probe) -> torch.Tensor:
@@ -104,6 +112,8 @@ def train_step(plan: Plan, x: torch.Tensor, y: torch.Tensor, probe: Probe) -> to
         plan.optimizer.step()
     if plan.scheduler is not None:  # a constant learning rate has none
         plan.scheduler.step()
+    if plan.model_cfg.moe_bias_rate:  # DeepSeek-V3's balancing: the routing biases move after the step
+        update_router_biases(placed.module)
     return loss
 
 

@@ -12,3 +12,8 @@ def zigzag_tokens(seq_len, C, r):
 
 def expert_capacity(tokens, experts, top_k, factor):
     return math.ceil(factor * top_k * tokens / experts)
+
+
+def bias_update(bias, load, gamma):
+    mean = sum(load) / len(load)
+    return [b - gamma if n > mean else b + gamma if n < mean else b for b, n in zip(bias, load)]
