@@ -37,6 +37,7 @@ COMMAND = re.compile(r"(python -m labkit|make [a-z]|bash cluster/|torchrun |sbat
 # (pattern on the command, how it is tested)
 RULES: list[tuple[str, str]] = [
     (r"make (book|test)$", "elsewhere: .ci/run runs make test, whose test_book builds the book"),
+    (r"make book HUB_URL=https://\S+$", "dry"),  # test_book builds the book for a hub, as this does
     (r"make (lab-ui|serve|assignments|venv)( LAB_UI_OPTS=.*)?$", "dry"),
     (r"make hub( HUB_OPTS=.*)?$", "dry"),
     (r"python -m labkit\.labs\.hub (add|serve)\b", "help"),  # as root it makes users: tests/test_hub.py runs them

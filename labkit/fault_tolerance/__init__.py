@@ -14,6 +14,17 @@
 * :mod:`labkit.fault_tolerance.injection`: torchrun jobs killed and preempted on purpose.
 * :mod:`labkit.fault_tolerance.bench`: what a checkpoint costs, and what plain saves lose.
 
+Failures at scale (the chapter after fault tolerance):
+
+* :mod:`labkit.fault_tolerance.goodput`: interruptions as a job grows, Young's and Daly's intervals, goodput.
+* :mod:`labkit.fault_tolerance.sdc`: a cross-replica fingerprint that finds a flipped bit and its rank.
+* :mod:`labkit.fault_tolerance.stragglers`: compute against waiting, per rank: the slow rank waits least.
+* :mod:`labkit.fault_tolerance.replicas`: data-parallel replicas written out, with faults put in on purpose.
+* :mod:`labkit.fault_tolerance.peer_checkpoint`: in-memory checkpoints kept by a peer, restored without disk.
+* :mod:`labkit.fault_tolerance.quorum`: a process group re-created over a store when replicas come and go.
+* :mod:`labkit.fault_tolerance.elastic` and :mod:`~labkit.fault_tolerance.elastic_launch`: replicas that
+  train through a lost one, under torchrun, held against the arithmetic of their batches.
+
 ``Checkpointer`` and ``CheckpointError`` are importable from here; they load DCP (about a second)
 only when first asked for, so the training loop pays for it only when it checkpoints.
 """

@@ -69,8 +69,10 @@ def check_compatible(saved: dict, meta: dict) -> list[str]:
     (each such note: the run's layout differs from the saver's).
 
     ``meta["reshardable"]`` is False for a checkpoint that only loads as it was written, on the strategy,
-    world size and ``meta["layout"]`` that wrote it (DeepSpeed's own format; tensor parallelism, whose
-    fused QKV rows are stored grouped by rank)."""
+    world size and ``meta["layout"]`` that wrote it: DeepSpeed's own format (``Strategy.reshardable``).
+    Tensor-parallel checkpoints reshard like any DCP checkpoint: the GPT stores its fused QKV matrix
+    head-major, so a shard is whole heads at any degree (tests/test_mesh.py resumes a TP x PP x DP run as
+    FSDP and as one process)."""
     for key in MUST_MATCH + tuple(k for k in MUST_MATCH_IF_SAVED if k in saved):
         if key == "model" and isinstance(saved.get(key), dict) and isinstance(meta.get(key), dict):
             _check_model(saved["model"], meta["model"])

@@ -73,6 +73,21 @@ _COMMUNICATION_EXACT = ("profile", "params/*", "accum/*", "hsdp/*", "mismatch_me
                         "bench/*/bytes", "bench/*/world_size", "recorded/comm_accum*", "recorded/comm_hsdp_*",
                         "recorded/comm_factor_err", "recorded/comm_mismatch_detected", "recorded/comm_n_sizes",
                         "recorded/comm_world", "recorded/comm_*_mb", "recorded/comm_min_bytes")
+# What a failure costs in time (restarts, restores, a straggler's verdict, an elastic run's degraded
+# window and so its losses) is measured; the rates, the bit flips and the bit-exact restores are not.
+_FAILURES_EXACT = ("profile", "params/*", "rate_per_gpu_day", "rates/*", "sdc/*", "bench/bytes",
+                   "bench/restored_identical", "peer/bit_exact", "peer/loss", "peer/loss_reference",
+                   "peer/disk_equals_peer", "goodput/state_gb", "goodput/per_gpu_day", "goodput/rows/*/gpus",
+                   "goodput/rows/*/path", "goodput/rows/*/per_day", "goodput/rows/*/mtbf_h",
+                   "recorded/fas_rate", "recorded/fas_gpus_*", "recorded/fas_per_day_*", "recorded/fas_mtbf_*",
+                   "recorded/fas_gpu_years", "recorded/fas_cost_per_interruption_min", "recorded/fas_world",
+                   "recorded/fas_flip_*", "recorded/fas_caught_*", "recorded/fas_repaired_differ",
+                   "recorded/fas_missed_checks", "recorded/fas_before_differ", "recorded/fas_n_state",
+                   "recorded/fas_fp_bytes", "recorded/fas_straggler_rank", "recorded/fas_bench_mb",
+                   "recorded/fas_peer_kill_step", "recorded/fas_peer_bit_exact", "recorded/fas_peer_losses_equal",
+                   "recorded/fas_peer_disk_same", "recorded/fas_replicas", "recorded/fas_kill_replica",
+                   "recorded/fas_elastic_kill_step", "recorded/fas_elastic_steps", "recorded/fas_state_gb",
+                   "recorded/fas_job_restart_min")
 _PIPELINE_TIMING = ("bubble/*/measured", "bubble/*/low", "bubble/*/high", "stage_busy_s*", "recorded/pp_1f1b_*",
                     "recorded/pp_bubble_gap", "recorded/pp_bubble_hi", "recorded/pp_bubble_lo", "recorded/pp_zbv_*",
                     "recorded/pp_imbalance", "recorded/pp_interleaved_hi")
@@ -82,6 +97,7 @@ LABS: dict[str, list[tuple[str, Kind]]] = {
     # a checkpoint's bytes include its folder's path, whose length differs from run to run
     "fault_tolerance": [(p, close(rel=1e-5)) for p in ("state_bytes", "bench/*/bytes", "recorded/ft_state_mb")]
                        + [(p, EXACT) for p in _FAULT_TOLERANCE_EXACT] + [("*", TIMING)],
+    "failures_at_scale": [(p, EXACT) for p in _FAILURES_EXACT] + [("*", TIMING)],
     "input_pipeline": [(p, EXACT) for p in _INPUT_PIPELINE_EXACT] + [("*", TIMING)],
     "communication": [(p, EXACT) for p in _COMMUNICATION_EXACT] + [("*", TIMING)],
     "pipeline_parallel": [(p, TIMING) for p in _PIPELINE_TIMING],

@@ -35,6 +35,9 @@ def choices(key: str) -> tuple[str, ...] | None:
     if key.endswith("_device") and key != "device":
         from labkit.planning.hardware import HARDWARE
         return tuple(HARDWARE)
+    if key == "elastic_policies":
+        from labkit.fault_tolerance.elastic import POLICIES
+        return POLICIES
     if key == "share_periods":
         from labkit.planning.cost import SHARE_PERIOD_DAYS
         return tuple(SHARE_PERIOD_DAYS)

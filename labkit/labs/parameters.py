@@ -151,10 +151,11 @@ def _rank_counts(n: int) -> list[int]:
     return sorted({k for k in (2, *range(4, n + 1, 4), n) if 2 <= k <= n})
 
 
-# Labs that are about splitting one model over ranks: below this many GPUs, their gpu profile runs
-# the cpu profile on CPU processes instead (and says so), rather than pretend on one GPU.
+# Labs that are about splitting one model over ranks (or comparing replicas): below this many GPUs,
+# their gpu profile runs the cpu profile on CPU processes instead (and says so), rather than pretend
+# on one GPU.
 MIN_GPUS = {"tensor_parallel": 2, "pipeline_parallel": 2, "communication": 2, "long_context_experts": 2,
-            "composing": 2}
+            "composing": 2, "failures_at_scale": 2}
 
 
 def fit_layout(n: int, n_head: int, n_layer: int) -> dict[str, int]:
