@@ -27,6 +27,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 help:
 	@echo "make book              set up .venv, execute every lab (PROFILE=$(PROFILE)), build the HTML book"
+	@echo "                       (HUB_URL=https://hub.your.school: each lab page's launch button opens the lab there)"
 	@echo "make test              set up .venv, run the whole test suite"
 	@echo "make lab LAB=data_parallel PROFILE=cpu|ci|gpu   execute one lab into $(BUILD)/runs/"
 	@echo "make lab-ui            open the labs in JupyterLab (LAB_UI_OPTS=\"--no-browser --port N\" passes options)"
@@ -35,7 +36,8 @@ help:
 	@echo "make serve             serve the built book on http://127.0.0.1:8000"
 	@echo "make compare           every lab's ci profile against the committed baseline labs/baseline/ci (exit 1: regressed)"
 	@echo "make baseline          rerun every lab's ci profile and make it the baseline (review, then commit)"
-	@echo "make gpu-check         on a GPU node: every strategy, precision, MFU and lab; report in $(BUILD)/gpu_check/"
+	@echo "make gpu-check         on a GPU node, within 10 minutes: the machine, every strategy, precision, MFU and"
+	@echo "                       the labs that fit (ARGS=--full: everything); report in $(BUILD)/gpu_check/"
 
 # Installs only when requirements.txt or pyproject.toml changed. torch goes first and DeepSpeed is
 # built without isolation against it (DS_BUILD_OPS=0: no CUDA ops compiled at install time).
@@ -84,8 +86,11 @@ baseline: $(STAMP)
 	$(PY) -m labkit run --profile ci --jobs 2 --force
 	$(PY) -m labkit baseline book/labs
 
+# HUB_URL: the course's JupyterHub, which each lab page's launch button opens (book/_ext/book_extras.py);
+# unset, the book has no launch button.
+HUB_URL ?=
 book: labs
-	$(BIN)jupyter-book build . --builder html -W --keep-going
+	HUB_URL='$(HUB_URL)' $(BIN)jupyter-book build . --builder html -W --keep-going
 	@echo
 	@echo "The book is in $(BUILD)/html. Open $(CURDIR)/$(BUILD)/html/index.html in a browser,"
 	@echo "or run 'make serve' and visit http://127.0.0.1:8000 (search needs a served copy)."
@@ -119,7 +124,8 @@ hub: $(STAMP)
 	$(PY) -m labkit.labs.hub serve --state $(HUB_STATE) $(HUB_OPTS)
 
 # On a GPU node or hub image: no set-up, so it runs where CUDA torch is installed and no registry is
-# reachable (.venv's Python when there is one, else python3 with labkit on the path).
+# reachable (.venv's Python when there is one, else python3 with labkit on the path). It ends within
+# its budget (10 minutes; ARGS="--budget S" or ARGS=--full), each item and lab stopped at its own.
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m labkit.gpu_check $(ARGS)

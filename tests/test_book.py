@@ -13,6 +13,8 @@ from labkit.labs import LABS_DIR, list_labs
 
 ROOT = Path(__file__).resolve().parent.parent
 HTML = ROOT / "_build" / "html"
+# The book is built as `make book HUB_URL=...` builds it for a class: for the hub `make hub` serves.
+HUB = "http://127.0.0.1:8000"
 # page -> figures it must show (glued from the executed labs, or the lab's own plots)
 PAGES = {"book/data_parallel.html": 4, "book/labs/data_parallel.html": 3, "book/memory.html": 4,
          "book/communication.html": 4, "book/labs/communication.html": 3,
@@ -23,6 +25,7 @@ PAGES = {"book/data_parallel.html": 4, "book/labs/data_parallel.html": 3, "book/
          "book/input_pipeline.html": 5, "book/labs/input_pipeline.html": 5,
          "book/packing.html": 7, "book/labs/packing.html": 7,
          "book/fault_tolerance.html": 4, "book/labs/fault_tolerance.html": 3,
+         "book/failures_at_scale.html": 4, "book/labs/failures_at_scale.html": 3,
          "book/clusters.html": 2, "book/instructors.html": 0,
          "book/model_parallel.html": 11, "book/labs/tensor_parallel.html": 3, "book/labs/pipeline_parallel.html": 5,
          "book/inside_device.html": 5, "book/labs/inside_device.html": 5, "book/intro.html": 0}
@@ -32,7 +35,7 @@ PAGES = {"book/data_parallel.html": 4, "book/labs/data_parallel.html": 3, "book/
 def built_book(lab_metrics):
     jb = Path(os.sys.executable).parent / "jupyter-book"
     proc = subprocess.run([str(jb), "build", str(ROOT), "--builder", "html", "-W", "--keep-going"],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "HUB_URL": HUB})
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     return HTML
 
@@ -43,6 +46,38 @@ def test_book_builds_with_warnings_as_errors(built_book):
     chapter = (built_book / "book/data_parallel.html").read_text()
     assert (built_book / "_static/mathjax/tex-mml-chtml.js").is_file()
     assert "cdn.jsdelivr.net" not in chapter  # MathJax is served from the book itself
+    # no page links a placeholder hub (issue 46): the launch buttons go to the hub the book was built for
+    placeholder = [str(p.relative_to(built_book)) for p in built_book.rglob("*.html")
+                   if re.search(r"hub\.example\.|example\.(org|com|net)", p.read_text(errors="replace"))]
+    assert not placeholder, placeholder[:5]
+
+
+def _book_extras():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("book_extras", ROOT / "book" / "_ext" / "book_extras.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_launch_buttons_hub_is_configured_or_absent_never_a_placeholder():
+    """`make book HUB_URL=...` names the hub; without one the book has no launch button (the theme adds
+    none for an empty jupyterhub_url); a placeholder or a non-http address stops the build."""
+    import yaml
+
+    hub_url = _book_extras().hub_url
+    configured = yaml.safe_load((ROOT / "_config.yml").read_text())["launch_buttons"]["jupyterhub_url"]
+    assert hub_url(configured, {}) == ""  # the committed config names no hub: no button
+    assert hub_url(configured, {"HUB_URL": "https://hub.school.edu/"}) == "https://hub.school.edu"
+    assert hub_url("https://jupyter.cs.school.edu", {}) == "https://jupyter.cs.school.edu"
+    assert hub_url("https://a.school.edu", {"HUB_URL": " "}) == "https://a.school.edu"
+    for bad, where in (("https://hub.example.org", "HUB_URL"), ("http://example.com", "HUB_URL"),
+                       ("hub.school.edu", "HUB_URL"), ("ftp://hub.school.edu", "HUB_URL")):
+        with pytest.raises(ValueError, match=where):
+            hub_url("", {"HUB_URL": bad})
+    with pytest.raises(ValueError, match="_config.yml.*placeholder"):
+        hub_url("https://hub.example.org", {})
 
 
 @pytest.fixture(scope="module")
@@ -177,11 +212,9 @@ def test_every_lab_page_launches_the_lab_on_the_hub_and_downloads_its_notebook(b
     import urllib.request
     from urllib.parse import urljoin
 
-    import yaml
-
     from labkit.labs.student_labs import launch_url
 
-    hub = yaml.safe_load((ROOT / "_config.yml").read_text())["launch_buttons"]["jupyterhub_url"].rstrip("/")
+    hub = HUB
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     for lab in list_labs():
         page.goto(f"{server}/book/labs/{lab}.html", wait_until="networkidle")

@@ -12,13 +12,53 @@
   repository, every solution and hidden test in it, into the student's home. The button opens the
   lab's student form instead, which the course's hub puts in every student's home
   (:func:`labkit.labs.student_labs.launch_url`; ``make hub`` and ``cluster/jupyterhub`` both do).
+* That button exists only when a hub is named: ``make book HUB_URL=https://hub.your.school`` (the
+  ``HUB_URL`` environment variable), or ``launch_buttons.jupyterhub_url`` in ``_config.yml``. With
+  neither, the pages have no launch button; a placeholder address (``example.org`` and the like) or
+  anything but an http(s) address stops the build (:func:`hub_url`).
 """
 from __future__ import annotations
 
+import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
+from urllib.parse import urlsplit
 
 ENTRY = "tex-mml-chtml.js"  # Sphinx's default MathJax 3 component
+# Domains reserved for documentation (RFC 2606): a hub there is a placeholder, never a class's hub.
+PLACEHOLDER_DOMAINS = ("example.org", "example.com", "example.net", "example", "invalid")
+
+
+def hub_url(configured: str | None, env: Mapping[str, str] = os.environ) -> str:
+    """The hub the launch buttons open: ``HUB_URL`` from ``env`` (``make book HUB_URL=...``), else
+    ``configured`` (``_config.yml``'s ``launch_buttons.jupyterhub_url``), without a trailing slash; ``""``
+    when neither names one, and then the book has no launch button. A ValueError, naming where the
+    address came from, for an address that is not http(s) with a host, or whose host is a placeholder."""
+    given, source = (env.get("HUB_URL") or "").strip(), "HUB_URL"
+    if not given:
+        given, source = (configured or "").strip(), "_config.yml's launch_buttons.jupyterhub_url"
+    if not given:
+        return ""
+    parts = urlsplit(given)
+    host = (parts.hostname or "").lower()
+    if parts.scheme not in ("http", "https") or not host:
+        raise ValueError(f"{source}={given!r} is not an http(s) address of a JupyterHub, such as "
+                         "https://hub.your.school; leave it empty for a book without launch buttons")
+    if any(host == d or host.endswith("." + d) for d in PLACEHOLDER_DOMAINS):
+        raise ValueError(f"{source}={given!r} is a placeholder, not a hub: give your hub's address "
+                         "(make book HUB_URL=https://hub.your.school), or leave it empty for a book "
+                         "without launch buttons")
+    return given.rstrip("/")
+
+
+def _set_hub(app, config) -> None:
+    """``config-inited``: the launch buttons' hub, from :func:`hub_url` (none: no launch button)."""
+    options = dict(config.html_theme_options or {})
+    buttons = dict(options.get("launch_buttons") or {})
+    buttons["jupyterhub_url"] = hub_url(buttons.get("jupyterhub_url"))
+    options["launch_buttons"] = buttons
+    config.html_theme_options = options
 
 
 def _mathjax_source() -> Path:
@@ -66,6 +106,7 @@ def setup(app):
     if not (_mathjax_source() / ENTRY).exists():
         raise RuntimeError(f"MathJax not found at {_mathjax_source()}; install requirements.txt")
     app.config.mathjax_path = f"mathjax/{ENTRY}"
+    app.connect("config-inited", _set_hub)
     app.connect("build-finished", _copy_mathjax)
     app.connect("html-page-context", _dedupe_scripts, priority=999)  # last: other handlers add scripts
     app.connect("html-page-context", _launch_the_lab_itself, priority=900)  # after the theme's buttons

@@ -10,6 +10,8 @@ vocabulary adds 38 M in the embedding. Values a GPU count decides: ``"all"`` (ev
 """
 from __future__ import annotations
 
+from labkit.labs.profiles_failures import FAILURES_AT_SCALE
+
 # How the labs that train compare strategies: fp32 on CPU (held to one process within fp32's
 # tolerances), and as GPU users train on GPUs: bf16 autocast over fp32 master weights, TF32 matmuls.
 FP32 = dict(precision="fp32", tf32=False)
@@ -166,14 +168,18 @@ PROFILES["communication"] = {
                 slow_link_ms=0.05, diag_steps=8),
 }
 # Long sequences and many experts: context parallelism and a mixture of experts, each against one process.
-_LCE = dict(attn_heads=4, attn_head_dim=16, top_k=2, aux_weight=0.01, ep_capacity_factor=4.0, seed=0)
+# MoE: bias_rate is DeepSeek-V3's bias update speed (its 1e-3 over trillions of tokens; 1e-2 moves the
+# biases within the lab's tens of steps); node_*: CPU ranks grouped as nodes, in every profile.
+_LCE = dict(attn_heads=4, attn_head_dim=16, top_k=2, aux_weight=0.01, ep_capacity_factor=4.0, seed=0,
+            bias_rate=0.01, drop_capacity_factor=1.0, fine_factor=4, shared_experts=1, node_world=4,
+            node_ranks=2, node_experts=16, node_top_k=4, node_limit=1, node_tokens=64)
 PROFILES["long_context_experts"] = {
     "cpu": dict(**FP32, **_LCE, device="cpu", world_size=2, attn_lengths=[64, 256], balance_world=4, n_layer=2,
                 n_head=4, n_embd=64, block_size=128, batch_size=4, steps=10, lr=1e-3, act_rows=2,
-                cp_degrees=[1, 2, 4], experts=4, moe_steps=60, capacity_factors=[0.5, 0.75, 1.0, 1.25, 1.5, 2.0]),
+                cp_degrees=[1, 2, 4], experts=4, moe_steps=150, capacity_factors=[0.5, 0.75, 1.0, 1.25, 1.5, 2.0]),
     "ci": dict(**FP32, **_LCE, device="cpu", world_size=2, attn_lengths=[32, 64], balance_world=4, n_layer=2,
                n_head=4, n_embd=64, block_size=32, batch_size=4, steps=4, lr=1e-3, act_rows=2,
-               cp_degrees=[1, 2, 4], experts=4, moe_steps=20, capacity_factors=[0.5, 1.0, 1.5, 2.0]),
+               cp_degrees=[1, 2, 4], experts=4, moe_steps=60, capacity_factors=[0.5, 1.0, 1.5, 2.0]),
     # GPT-2 small's width on every GPU of a node (the attention checks stay on CPU processes)
     "gpu": dict(**FP32, **_LCE, device="cuda", world_size="all", attn_lengths=[1024, 4096], balance_world=4,
                 n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size="8 per rank", steps=20, lr=6e-4,
@@ -221,6 +227,8 @@ PROFILES["fault_tolerance"] = {
                 n_layer=12, n_head=12, n_embd=768, block_size=1024, dropout=0.1, save_every=20, async_save=True,
                 grace_s=30, fault_seed=0, bench_n_layer=12, bench_n_embd=768, bench_n_head=12, bench_repeats=3, **_SPOT),
 }
+
+PROFILES["failures_at_scale"] = FAILURES_AT_SCALE  # labkit.labs.profiles_failures
 
 # Composing: a 3-D layout (8 ranks) and a 4-D one (16) held to one process, and the chooser's plan for a
 # small GPT on 8 devices whose memory only a composed layout fits (plan_*), run as printed.
@@ -273,6 +281,7 @@ GPU_CHECK: dict[str, dict] = {
     "input_pipeline": dict(steps=12, synth_steps=8, epochs=2, epoch_batches=4, straggler_steps=8, setup_ms=500.0),
     "packing": dict(steps=20, warmup=4, article_n=200_000, bench_n=50_000),
     "fault_tolerance": dict(steps=40, save_every=10, bench_repeats=2, naive_trials=10),
+    "failures_at_scale": dict(sdc_steps=4, straggler_steps=4, bench_repeats=2, elastic_policies=["shrink"]),
     "communication": dict(max_bytes=16 << 20, steps=4, diag_steps=4),
     "long_context_experts": dict(steps=4, moe_steps=20),
     "composing": dict(steps=6, steps_4d=3, plan_steps=2),

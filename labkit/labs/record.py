@@ -39,6 +39,32 @@ def glue(name: str, value: Any, display: bool = True) -> Any:
     return value
 
 
+class Verbatim(str):
+    """A string that a chapter pastes as a block of text, not as a Python literal: its ``repr`` (the
+    text/plain that myst-nb pastes from another page, as a literal block) is the text itself, without
+    quotes. For a command a lab ran, shown in the chapter exactly as run."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def sharp_figures() -> None:
+    """Inside a notebook, show matplotlib figures (and glue them) as PNG at twice the pixels they are shown
+    at ("retina"), so that a figure stays sharp on a high-density screen and when zoomed. Not SVG: a
+    chapter pastes a lab's figure from the image file the lab's page wrote, and myst-nb pastes only PNG
+    across pages (a lab page that rendered SVG would leave the chapter a broken image). Outside IPython (a
+    lab run as a script) it does nothing."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    if get_ipython() is None:
+        return
+    from matplotlib_inline.backend_inline import set_matplotlib_formats
+
+    set_matplotlib_formats("retina")
+
+
 def record(name: str, value: Any) -> Any:
     """Record ``value`` under ``name`` for the text (glued, not displayed) and the metrics file; return it."""
     return glue(name, value, display=False)
@@ -98,6 +124,10 @@ def environment() -> dict[str, Any]:
         env["deepspeed"] = sys.modules["deepspeed"].__version__
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
+    from labkit.labs.script import LEFT_OUT
+
+    if LEFT_OUT:  # a lab run as a script on a bare machine: its figures, an exercise's grading
+        env["left_out"] = list(LEFT_OUT)
     return env
 
 

@@ -9,9 +9,9 @@ from labkit.labs.svg import INK, OWNER_STROKE, Svg
 from labkit.parallel.mesh import Degrees
 
 MESH_4D = Degrees(pp=2, dp_shard=2, cp=2, tp=2)
-WHAT = {"tp": "tensor: 4 collectives of activations per block (NVLink)",
+WHAT = {"tp": "tensor: 2 all-reduces of activations per block in forward, 2 in backward",
         "cp": "context: each attention's K and V round a ring",
-        "dp_shard": "data (FSDP): weights gathered, gradients reduce-scattered per block",
+        "dp_shard": "data: different rows of the batch (FSDP shards over dp_shard x cp)",
         "pp": "pipeline: one activation per microbatch, stage to stage"}
 COLOR = {"tp": OWNER_STROKE[0], "cp": OWNER_STROKE[1], "dp_shard": OWNER_STROKE[2], "pp": INK}
 
@@ -43,10 +43,20 @@ def _node(svg: Svg, x: float, y: float, ranks: list[int], d: Degrees, stage: int
     return where
 
 
+def shard_groups(d: Degrees) -> list[list[int]]:
+    """FSDP's shard groups of the dense weights: the ranks that differ only in ``dp_shard``, ``ep`` and ``cp``
+    (:attr:`Degrees.shard`, the ``shard`` dimension of :class:`labkit.parallel.mesh.ParallelDims`)."""
+    keyed: dict[tuple, list[int]] = {}
+    for r in range(d.world):
+        c = d.coords(r)
+        keyed.setdefault((c["pp"], c["dp_replicate"], c["tp"]), []).append(r)
+    return list(keyed.values())
+
+
 def mesh_4d(d: Degrees = MESH_4D) -> str:
     """16 GPUs on two nodes as pipeline 2 x data 2 x context 2 x tensor 2: the tensor and context
     groups inside a node, the pipeline's stages on different nodes."""
-    svg = Svg(820, 490, f"A 4-D device mesh: {d.label().replace(' ', ' x ')} on {d.world} GPUs, two nodes")
+    svg = Svg(820, 508, f"A 4-D device mesh: {d.label().replace(' ', ' x ')} on {d.world} GPUs, two nodes")
     stride = d.world // d.pp
     _node(svg, 34, 84, list(range(stride)), d, 0)
     _node(svg, 464, 84, list(range(stride, 2 * stride)), d, 1)
@@ -54,11 +64,11 @@ def mesh_4d(d: Degrees = MESH_4D) -> str:
     svg.text(400, 184, f"r → r + {stride}", anchor="middle", fill=INK)
     for k, dim in enumerate(("tp", "cp", "dp_shard", "pp")):
         svg.swatch(30, 292 + 22 * k, f"{WHAT[dim]}", COLOR[dim], None)
-    groups = d.groups()
-    for k, dim in enumerate(("tp", "cp", "dp_shard", "pp")):
-        shown = " ".join("{" + ",".join(map(str, g)) + "}" for g in groups[dim][:4])
+    groups = {**d.groups(), "FSDP shard": shard_groups(d)}
+    for k, dim in enumerate(("tp", "cp", "dp_shard", "FSDP shard", "pp")):
+        shown = " ".join("{" + ",".join(map(str, g)) + "}" for g in groups[dim][:4 if dim != "FSDP shard" else 2])
         svg.text(30, 396 + 18 * k, f"{dim} groups: {shown} …", fill=INK)
-    svg.text(30, 474, "Ranks numbered as the loop's mesh numbers them: pp, dp_replicate, dp_shard, ep, cp, tp, "
+    svg.text(30, 492, "Ranks numbered as the loop's mesh numbers them: pp, dp_replicate, dp_shard, ep, cp, tp, "
              "the last fastest.", fill=INK)
     return svg.render()
 

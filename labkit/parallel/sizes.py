@@ -56,9 +56,10 @@ def comm_payload(cfg: GPTConfig, d: Degrees, rows: int, microbatches: int | None
       and received by the other (a 2-stage pipeline's end stage does one of each); and the tied
       embedding's gradient shard, all-reduced between the first and the last stage.
     * ``shard``: FSDP2 gathers this rank's weights for forward and again for backward, and reduce-scatters
-      the gradients once (Zhao et al. 2023). Under torch's pipeline schedules (torch 2.13, measured) it
-      gathers them for every microbatch's forward and once for the backwards, and reduce-scatters once,
-      after the last microbatch.
+      the gradients once (Zhao et al. 2023). Under a pipeline the stage keeps its weights gathered for the
+      whole step (``reshard_after_forward`` is off whenever pp > 1, as in torchtitan;
+      :mod:`labkit.parallel.compose` says why): one gather at the first microbatch's forward, and one
+      reduce-scatter after the last microbatch.
     Clipping adds a 4-byte all-reduce of a squared norm on each dimension a gradient is split over (one
     per kind of split: a few bytes), which the formula leaves out.
     """
@@ -73,6 +74,6 @@ def comm_payload(cfg: GPTConfig, d: Degrees, rows: int, microbatches: int | None
         boundaries = 1 if pp_rank in (0, d.pp - 1) else 2
         out["pp"] = 2 * boundaries * rows * s * h * dtype_bytes + tied
     if d.shard > 1:
-        gathers = microbatches + 1 if microbatches else 2
+        gathers = 1 if microbatches else 2
         out["shard"] = (gathers + 1) * 4 * (dense + experts)
     return out
