@@ -3,7 +3,7 @@
 #   NPROC      processes (default: one per GPU, or 2 on a CPU-only machine)
 #   DEVICE     cuda | cpu (default: cuda when a GPU is visible)
 #   STRATEGY   single | ddp | fsdp | zero1 | zero2 | zero3 | dp_naive | dp_bucketed | zero1_scratch | tp | pp
-#              (default: ddp; tp and pp take --tp, --pp, --microbatches and --schedule after the script name)
+#              (default: ddp; tp and pp take --tp, --pp, --microbatches and --pp-schedule after the script name)
 #   STEPS, SEED, and any extra flags of `python -m labkit.train` after the script name.
 #   METRICS    the run's metrics JSON (default: _build/torchrun/metrics.json in this checkout; never its root)
 #   PYTHON     the Python that has torch and labkit (default: this checkout's .venv/bin/python from

@@ -12,8 +12,6 @@ ROOT = Path(__file__).resolve().parent.parent
 LABKIT = ROOT / "labkit"
 # Flat modules left at the top: the package's entry points and the old import paths the book and the
 # README taught, kept as one-line re-exports of their new homes.
-SHIMS = {"model.py": "labkit.core.model", "packing.py": "labkit.feeding.packing",
-         "activation_checkpointing.py": "labkit.parallel.activation_checkpointing"}
 MAX_MODULE_LINES = 300
 MAX_FUNCTION_LINES = 80
 
@@ -39,16 +37,13 @@ def test_every_sub_package_sits_in_a_layer():
 ENTRY_POINTS = {"gpu_check.py": "labkit.labs.gpu_check"}
 
 
-def test_only_entry_points_and_old_import_paths_stay_flat():
+def test_only_entry_points_stay_flat():
+    """Everything lives in a sub-package; the old top-level import shims are gone (issue 47)."""
     flat = {p.name for p in LABKIT.glob("*.py")} - {"__init__.py", "__main__.py", *ENTRY_POINTS}
     for name, home in ENTRY_POINTS.items():
         imports = [n for n in ast.parse((LABKIT / name).read_text()).body if isinstance(n, ast.ImportFrom)]
         assert [n.module for n in imports] == [home], name
-    assert flat == set(SHIMS), flat
-    for name, home in SHIMS.items():  # a docstring and one re-export
-        body = ast.parse((LABKIT / name).read_text()).body
-        assert len(body) == 2 and isinstance(body[0].value, ast.Constant), name
-        assert isinstance(body[1], ast.ImportFrom) and body[1].module == home, name
+    assert not flat, flat
 
 
 def _modules():
@@ -84,10 +79,10 @@ def test_readme_and_intro_map_every_chapter_to_its_lab_and_sub_package():
         assert named <= packages | {"memory", "train"}, named - packages
 
 
-# The names the book and README teach; where a module moved, its old path re-exports it.
+# The names the book and README teach, where they live (the old top-level shims are gone: issue 47).
 TAUGHT = {"labkit.launch": ["launch"], "labkit.fault_tolerance": ["Checkpointer", "CheckpointError"],
-          "labkit.packing": ["pack"], "labkit.memory": ["zero_model_state_bytes", "activation_bytes_per_layer"],
-          "labkit.activation_checkpointing": ["apply"], "labkit.model": ["GPT", "GPTConfig"],
+          "labkit.feeding.packing": ["pack"], "labkit.memory": ["zero_model_state_bytes", "activation_bytes_per_layer"],
+          "labkit.parallel.activation_checkpointing": ["apply"], "labkit.core.model": ["GPT", "GPTConfig"],
           "labkit.train": ["TrainConfig", "train", "main"]}
 
 

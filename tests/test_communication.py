@@ -150,6 +150,10 @@ def test_a_slow_link_costs_time_not_correctness():
     fast, slow, late = launch(train_many, [base, slow_cfg, replace(slow_cfg, link_latency_ms=30.0)], MODEL,
                               world_size=2, quiet=True)[0]
     assert slow["loss"] == fast["loss"] == late["loss"]
+    # Lower bounds that load cannot break: the hook sleeps each bucket's wire time (exactly so:
+    # test_the_slow_link_holds_each_bucket_back_for_its_wire_time), one bucket after the other, a sleep
+    # lasts at least its length, and the timed step ends after backward has waited for every bucket.
+    # A busy machine only lengthens a step; no upper bound is asserted.
     wire_s = 2 * (2 - 1) / 2 * fast["grad_bytes"] / 0.002e9  # the ring bytes of one step over the link
     assert min(slow["step_time_s"]) >= wire_s
     assert min(late["step_time_s"]) >= wire_s + 0.030  # and alpha, once per bucket (one bucket at least)
@@ -157,3 +161,51 @@ def test_a_slow_link_costs_time_not_correctness():
         TrainConfig(strategy="ddp", link_latency_ms=5.0)
     with pytest.raises(ValueError, match="link_gbps=1.0 has no effect with strategy='fsdp'"):
         TrainConfig(strategy="fsdp", link_gbps=1.0)
+
+
+def test_the_slow_link_holds_each_bucket_back_for_its_wire_time(monkeypatch):
+    """The emulated link's hook on a fake clock and a fake two-rank all-reduce: the delay it applies is
+    read off the sleeps it asks for, not timed. Each bucket is held back alpha + 2(n-1)/n S / B, the
+    buckets queue on one link (the second waits for the first), time the link sat idle is not charged,
+    and the result is the mean over the ranks."""
+    import types
+
+    import torch
+
+    from labkit.comm import slow_link
+
+    now, slept, reduced = [0.0], [], []
+
+    def sleep(seconds):
+        slept.append(seconds)
+        now[0] += seconds
+
+    class Work:
+        def wait(self):
+            return True
+
+    def all_reduce(buf, async_op=False):
+        assert async_op  # started at once; the hook's thread waits for it
+        reduced.append(buf.numel())
+        buf.mul_(2)  # the sum over two ranks that hold the same gradient
+        return Work()
+
+    class Bucket:
+        def __init__(self, t):
+            self.t = t
+
+        def buffer(self):
+            return self.t
+
+    monkeypatch.setattr(slow_link, "time", types.SimpleNamespace(perf_counter=lambda: now[0], sleep=sleep))
+    monkeypatch.setattr(slow_link, "dist", types.SimpleNamespace(get_world_size=lambda: 2, all_reduce=all_reduce,
+                                                                 GradBucket=Bucket))
+    hook = slow_link.slow_link_hook(0.002, latency_ms=30.0)
+    grads = [torch.arange(1000, dtype=torch.float32), torch.ones(250)]
+    futures = [hook(None, Bucket(g.clone())) for g in grads]  # back to back, as backward hands them over
+    assert all(torch.equal(f.wait(), g) for f, g in zip(futures, grads))  # the mean of two equal gradients
+    wire = [0.030 + 2 * (2 - 1) / 2 * g.numel() * 4 / 0.002e9 for g in grads]
+    assert reduced == [1000, 250] and slept == pytest.approx(wire) and now[0] == pytest.approx(sum(wire))
+    now[0] += 1.0  # a second of compute with the link idle: the next bucket pays its own wire time only
+    hook(None, Bucket(torch.ones(250))).wait()
+    assert slept[2:] == pytest.approx(wire[1:]) and now[0] == pytest.approx(sum(wire) + 1.0 + wire[1])

@@ -309,7 +309,7 @@ def test_input_pipeline_lab_metrics(lab_metrics):
         assert fixes[name]["wait_after"] < fixes[name]["wait_before"], name
     # A thread overlaps loading with compute, but on two cores shared with the other test worker its
     # gain is within the noise of a throughput measured seconds apart (seen: 8,514 vs 9,601 tokens/s
-    # in one CI run): recorded and shown, not asserted. tests/test_pipeline.py holds its batches.
+    # in one CI run): recorded and shown, not asserted. tests/test_input_pipeline.py holds its batches.
     assert fixes["background"]["tok_s_after"] > 0 and fixes["background"]["tok_s_before"] > 0
     assert fixes["pre-tokenized"]["wait_after"] < 0.15 < fixes["pre-tokenized"]["wait_before"]
     assert fixes["pin_memory"]["copy_after"] == 0.0 and m["copy_ms"] is None  # no accelerator, no copy

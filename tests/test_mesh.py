@@ -30,7 +30,7 @@ LAYOUTS = {"tp2 pp2 dp2": (dict(tp=2, pp=2, dp_shard=2), MODEL),
            "tp2 cp2 fsdp2": (dict(tp=2, cp=2, dp_shard=2), MODEL),
            "pp2 cp2 fsdp2": (dict(pp=2, cp=2, dp_shard=2), MODEL),
            "hsdp2x2 tp2": (dict(dp_replicate=2, dp_shard=2, tp=2), MODEL),
-           "moe ep2 fsdp2 tp2": (dict(ep=2, dp_shard=2, tp=2), MOE)}
+           "moe ep2 fsdp4 tp2": (dict(ep=2, dp_shard=4, tp=2), MOE)}
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, BF16_STEPS, SAVE_AT = 10, 3, 8  # resumed: the last 2 steps
 BASE = TrainConfig(steps=STEPS, batch_size=8, lr=3e-3, count_comm="none")
@@ -225,6 +225,26 @@ def test_degrees_multiply_to_the_world_and_number_ranks_as_the_mesh_does():
         Degrees(tp=0)
 
 
+def test_expert_parallelism_is_carved_out_of_dp_shard_as_in_torchtitan():
+    """torchtitan's ParallelDims: world = pp x dp_replicate x dp_shard x cp x tp, ep borrowed from dp_shard;
+    so --dp-shard 2 --ep 2 is two ranks here too, and the ep groups sit inside the dp_shard groups."""
+    from labkit.train.config import degrees_for
+
+    d = Degrees(dp_shard=4, ep=2)
+    assert d.world == 4 and d.data == 4 and d.shard == 4 and d.dp_shard_mod_ep == 2
+    assert d.groups() == {"dp_shard": [[0, 1, 2, 3]], "ep": [[0, 1], [2, 3]]}
+    assert [d.coords(r)["dp_shard"] for r in range(4)] == [0, 1, 2, 3]
+    assert [d.coords(r)["ep"] for r in range(4)] == [0, 1, 0, 1]
+    assert d.flags() == ["--dp-shard", "4", "--ep", "2"]
+    assert degrees_for(TrainConfig(dp_shard=2, ep=2), 2) == Degrees(dp_shard=2, ep=2)
+    assert degrees_for(TrainConfig(ep=2), 4) == Degrees(dp_shard=4, ep=2)  # dp_shard takes the rest
+    assert degrees_for(TrainConfig(strategy="ep", ep=2), 4) == Degrees(dp_replicate=2, dp_shard=2, ep=2)
+    with pytest.raises(ValueError, match=r"multiply to 2, not world_size=4: .* \(ep is carved out of dp_shard\)"):
+        degrees_for(TrainConfig(dp_shard=2, ep=2), 4)
+    with pytest.raises(ValueError, match=r"ep=4 must divide dp_shard=2: as in torchtitan"):
+        degrees_for(TrainConfig(ep=4, tp=2), 4)
+
+
 def test_degree_flags_choose_the_mesh_and_every_named_strategy_is_a_preset():
     from labkit.train.config import degrees_for
 
@@ -246,10 +266,10 @@ def test_degree_flags_choose_the_mesh_and_every_named_strategy_is_a_preset():
     (Degrees(tp=3), MODEL, r"tp=3 must divide n_head=4"),
     (Degrees(cp=2), replace(MODEL, block_size=14), r"block_size=14 must be divisible by 2 x cp = 4"),
     (Degrees(cp=2), replace(MODEL, dropout=0.1), r"dropout=0.1 is not supported with cp=2"),
-    (Degrees(ep=2), MODEL, r"ep=2 needs a mixture-of-experts model"),
+    (Degrees(dp_shard=2, ep=2), MODEL, r"ep=2 needs a mixture-of-experts model"),
     (Degrees(cp=2), MOE, r"not supported with cp=2: under context parallelism"),
     (Degrees(pp=2), MOE, r"not supported with pp=2: the load-balancing loss"),
-    (Degrees(ep=3), replace(MOE, moe_experts=4), r"moe_experts=4 must be a multiple of ep=3"),
+    (Degrees(dp_shard=3, ep=3), replace(MOE, moe_experts=4), r"moe_experts=4 must be a multiple of ep=3"),
 ])
 def test_what_a_layout_cannot_do_is_one_line_before_any_collective(degrees, model, match):
     from labkit.parallel.checks import check_layout

@@ -1,5 +1,6 @@
 """Pipeline parallelism (torch.distributed.pipelining and hand-written) against single-process training,
 and the instruments: timeline, bubble, activation memory per stage."""
+import statistics
 from dataclasses import replace
 
 import numpy as np
@@ -125,21 +126,39 @@ def test_memory_per_stage_is_its_layers(runs):
     assert stage_params(MODEL, 2, 0) + stage_params(MODEL, 2, 1) == GPT.count_params(MODEL) + 256 * 64
 
 
-def test_bubble_is_timed_per_microbatch_and_never_beats_the_formula():
-    """Measured on two ranks: idle share of the step for m = 1 and m = 8 microbatches of 2 rows."""
+def _bubble_is_what_the_timeline_says(r: dict, schedule: str, p: int, m: int, steps: int) -> None:
+    """What holds of a measured bubble however long each event took on a loaded machine: each step's
+    fraction is a share in [0, 1], the reported one is the median of the steps after the first (as
+    labkit.train.figures reports it), the last step's is bubble_fraction of the timeline returned, and
+    on every stage the events ran one at a time in the schedule's order. The stages' clocks start at
+    one barrier but in different processes, so nothing across stages is compared."""
+    per_step = r["bubble_fraction_per_step"]
+    assert len(per_step) == steps and all(0.0 <= b <= 1.0 for b in per_step), per_step
+    assert r["bubble_fraction"] == statistics.median(per_step[1:])
+    events = [Event(**e) for e in r["timeline"]]
+    assert per_step[-1] == pytest.approx(bubble_fraction(events), rel=1e-12, abs=1e-15)
+    assert sorted((e.stage, e.kind, e.mb) for e in events) == sorted(
+        (s, k, i) for s in range(p) for k in "FB" for i in range(m))
+    for s in range(p):
+        mine = sorted((e for e in events if e.stage == s), key=lambda e: e.start)
+        assert [(e.kind, e.mb) for e in mine] == schedule_order(schedule, p, s, m), (s, mine)
+        assert all(e.start <= e.end for e in mine) and all(a.end <= b.start for a, b in zip(mine, mine[1:]))
+
+
+def test_bubble_is_timed_per_microbatch_on_the_schedules_timeline():
+    """Measured on two ranks for m = 1 and m = 8 microbatches of 2 rows: the record, not the timing.
+
+    That the measured bubble is at least the formula and shrinks with m are timings on shared cores
+    (CI saw 0.53 -> 0.51 under load): the pipeline lab records them and labkit.labs.compare reports
+    them; the formula itself is held exactly by test_bubble_of_an_ideal_timeline_is_the_formula."""
     model = GPTConfig(block_size=64, n_layer=4, n_embd=128, n_head=4)
     ms = (1, 8)
     runs = launch(train_many, [TrainConfig(strategy="pp_scratch", steps=3, batch_size=2 * m, microbatches=m,
                                            pp_schedule="gpipe") for m in ms], model, world_size=2, timeout=120)[0]
     out = dict(zip(ms, runs))
     for m, r in out.items():
-        assert r["bubble_formula"] == bubble_formula(2, m)
-        assert r["bubble_fraction"] > r["bubble_formula"] - 0.05, m  # the ideal is a floor, up to timer noise
-        events = [Event(**e) for e in r["timeline"]]
-        assert sorted((e.stage, e.kind, e.mb) for e in events) == sorted(
-            (s, k, i) for s in range(2) for k in "FB" for i in range(m))
-    # that it shrinks with m is a timing on shared cores (CI saw 0.53 -> 0.51 under load): the
-    # pipeline lab records it and labkit.labs.compare reports it; here only what cannot be noise
+        assert r["bubble_formula"] == bubble_formula(2, m) == 1 / (m + 1)
+        _bubble_is_what_the_timeline_says(r, "gpipe", 2, m, steps=3)
 
 
 def test_schedules_in_order():
@@ -251,8 +270,10 @@ def test_train_dispatches_tp_and_pp_with_the_same_result_keys():
         r = train(TrainConfig(strategy=strategy, steps=3, lr=1e-3), model)
         assert r["strategy"] == strategy and np.abs(np.array(r["loss"]) - np.array(ref["loss"])).max() < 1e-5
         assert {"loss", "step_time_s", "ranks", "world_size", "n_params", "grad_bytes"} <= set(r)
-    # one stage: nothing to wait for (the formula's (p-1)/(m+p-1) = 0; measured, only Python's gaps)
-    assert r["pp"] == 1 and r["bubble_formula"] == 0.0 and 0 <= r["bubble_fraction"] < 0.05
+    # one stage: nothing to wait for (the formula's (p-1)/(m+p-1) = 0; measured, only Python's gaps
+    # between events, whose size is the machine's load: held to the record, not to a bound)
+    assert r["pp"] == 1 and r["bubble_formula"] == 0.0
+    _bubble_is_what_the_timeline_says(r, r["pp_schedule"], 1, r["microbatches"], steps=3)
     with pytest.raises(ValueError, match=r"pp_schedule='x' is unknown; valid pipeline schedules: "
                                          r"\['gpipe', '1f1b', 'interleaved', 'zb', 'zbv', 'dualpipev'\]"):
         TrainConfig(strategy="pp", pp_schedule="x")

@@ -56,7 +56,7 @@ def test_torchrun_matches_single_process(tmp_path, strategy):
 
 
 @pytest.mark.parametrize("strategy, extra", [("tp", ["--tp", "2"]),
-                                             ("pp", ["--pp", "2", "--microbatches", "4", "--schedule", "1f1b"])])
+                                             ("pp", ["--pp", "2", "--microbatches", "4", "--pp-schedule", "1f1b"])])
 def test_torchrun_runs_tensor_and_pipeline_parallel(tmp_path, strategy, extra):
     """``--strategy tp`` and ``--strategy pp`` through the same recipe: one loss per step equal to one
     process's, per-rank figures, and the pipeline's bubble."""

@@ -233,7 +233,7 @@ def _check(ap: ArgumentParser, a) -> tuple[list[str], int, int]:
             raise ValueError(f"--max-bytes {a.max_bytes} is below --min-bytes {a.min_bytes}")
         if a.step_factor < 2:
             raise ValueError(f"--step-factor must be an integer >= 2, got {a.step_factor}")
-        positive_int("--warmup", a.warmup + 1)
+        at_most("--warmup", positive_int("--warmup", a.warmup + 1) - 1, 10**6, "a million untimed calls per size")
         positive_number("--target-ms", a.target_ms)
         one_of("--device", a.device, DEVICE_TYPES, "devices")
         if a.json is not None:

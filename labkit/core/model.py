@@ -64,7 +64,8 @@ class GPTConfig:
         if self.moe_experts and self.moe_top_k > self.moe_experts:
             raise ValueError(f"GPTConfig.moe_top_k={self.moe_top_k} must be at most moe_experts={self.moe_experts}")
         for name in ("moe_expert_ffn", "moe_shared", "moe_groups", "moe_group_limit"):
-            non_negative_int(f"GPTConfig.{name}", getattr(self, name))
+            at_most(f"GPTConfig.{name}", non_negative_int(f"GPTConfig.{name}", getattr(self, name)), 10**7,
+                    "more than any model's width or expert count")
         non_negative_number("GPTConfig.moe_bias_rate", self.moe_bias_rate)
         at_most("GPTConfig.moe_bias_rate", self.moe_bias_rate, 1.0, "DeepSeek-V3 uses 1e-3 on probabilities of at most 1")
         if self.moe_experts and self.moe_groups and self.moe_experts % self.moe_groups:

@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from labkit.core.checks import output_dir, positive_int
+from labkit.core.checks import at_most, one_of, output_dir, positive_int
 from labkit.core.cli import ArgumentParser
 from labkit.labs import gpu_items, gpu_items_device, gpu_items_parallel, gpu_machine
 from labkit.labs.gpu_budget import ITEM_S, TOTAL_S, Budget, run_apart
@@ -117,7 +117,7 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--steps", type=int, default=None, help="steps per strategy run (default: 6 on GPU, 4 on CPU)")
     ap.add_argument("--as-script", action="store_true", help="run the labs as plain scripts even where papermill "
                     "exists (what a machine without Jupyter does)")
-    ap.add_argument("--out", type=Path, default=ROOT / "_build" / "gpu_check", help="where the reports go")
+    ap.add_argument("--out", default=str(ROOT / "_build" / "gpu_check"), help="where the reports go")
     ap.add_argument("--budget", type=float, default=None, help=f"seconds for the whole check (default "
                     f"{TOTAL_S['cuda']:.0f}, {TOTAL_S['cpu']:.0f} with --device cpu); each item and lab has its own "
                     "as well, and is stopped when it runs past it")
@@ -148,12 +148,15 @@ def _setting(ap: ArgumentParser, args) -> tuple[Setting, list[str], list[str]]:
         if strategies and set(strategies) - set(STRATEGIES):
             raise ValueError(f"--strategies has unknown names {sorted(set(strategies) - set(STRATEGIES))}; valid: "
                              f"{list(STRATEGIES)}")
-        for name in ("gpus", "steps"):
+        for name, top, why in (("gpus", 4096, "more ranks than a check should start"),
+                               ("steps", 10**6, "a check of a million steps a strategy")):
             if getattr(args, name) is not None:
-                positive_int(f"--{name}", getattr(args, name))
+                at_most(f"--{name}", positive_int(f"--{name}", getattr(args, name)), top, why)
+        if args.profile:
+            one_of("--profile", args.profile, ("cpu", "ci", "gpu"), "profiles")
         if args.budget is not None and not 60 <= args.budget <= 86400:
             raise ValueError(f"--budget {args.budget:g}: give 60 to 86400 seconds for the whole check")
-        output_dir("--out", args.out)  # before the items run, not after
+        args.out = output_dir("--out", args.out)  # before the items run, not after
     except ValueError as e:
         ap.error(str(e))
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -125,7 +125,8 @@ def _gpu_pool(value: str) -> list[str]:
     if value == "all":
         return _visible_gpus()
     pool = [g.strip() for g in value.split(",")]
-    if not all(g.isdigit() or g.startswith(("GPU-", "MIG-")) for g in pool) or len(set(pool)) != len(pool):
+    index = lambda g: g.isascii() and g.isdigit() and int(g) < 1024  # noqa: E731 ('²'.isdigit() is True)
+    if not all(index(g) or g.startswith(("GPU-", "MIG-")) for g in pool) or len(set(pool)) != len(pool):
         raise ValueError(f"--gpus={brief(value)}: give all, none, or distinct GPU indices / GPU- or MIG- UUIDs, "
                          "comma-separated")
     return pool

@@ -99,7 +99,7 @@ def activation_bytes_per_layer_measured(cfg, micro_batch: int, autocast_dtype: t
     """Saved bytes per transformer layer: the difference between a 2L- and an L-layer model, over L.
 
     ``checkpointing`` is an activation-checkpointing policy of
-    :mod:`labkit.activation_checkpointing` applied to both models.
+    :mod:`labkit.parallel.activation_checkpointing` applied to both models.
     """
     from dataclasses import replace
 

@@ -51,7 +51,7 @@ def _check_experts(d: Degrees, model: GPTConfig, sequence_parallel: bool, recomp
                ("pp", d.pp, "the load-balancing loss of each stage's blocks would need a backward of its own"),
                ("sequence_parallel with tp", d.tp if sequence_parallel else 1,
                 "sequence parallelism would route each rank's slice of the tokens apart"))
-    if recompute.startswith("selective") and d.dp_replicate * d.dp_shard > 1:
+    if recompute.startswith("selective") and d.dp_replicate * d.dp_shard_mod_ep > 1:
         # Seen (issue 45's combinations): torch raises "profiler._record_function_enter_new ... encountered
         # during backward but not found in storage" at the first backward
         raise ValueError(f"activation_checkpointing={recompute!r} is not supported with moe_experts="

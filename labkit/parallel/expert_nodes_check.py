@@ -40,7 +40,7 @@ def placement_vs_one_process(n_embd: int, experts: int, top_k: int, per_node: in
     gen = torch.Generator().manual_seed(seed)
     x, w = torch.randn(world * tokens, n_embd, generator=gen), torch.randn(world * tokens, n_embd, generator=gen)
     mine = slice(rank * tokens, (rank + 1) * tokens)
-    dims = ParallelDims(Degrees(ep=world))
+    dims = ParallelDims(Degrees(dp_shard=world, ep=world))
     make_two_hop = on_nodes(per_node)
     out = {}
     for name, (two_hop, limited) in MODES.items():
@@ -86,7 +86,7 @@ def dispatch_bytes_per_token(n_embd: int, shapes: dict[str, dict], tokens: int, 
     ``shared``): the token bytes one forward's dispatch all-to-all carries per token over the group
     (each rank's rows, its own included), under the flat expert-parallel placement."""
     world = dist.get_world_size()
-    dims = ParallelDims(Degrees(ep=world))
+    dims = ParallelDims(Degrees(dp_shard=world, ep=world))
     x = torch.randn(tokens, n_embd, generator=torch.Generator().manual_seed(seed + dist.get_rank()))
     out = {}
     for name, kw in shapes.items():

@@ -168,7 +168,7 @@ class ExpertParallel(SyncOnRequest):
         world = dist.get_world_size()
         if world % ep:
             raise ValueError(f"ep={ep} must divide the world size {world}")
-        self.dims = ParallelDims(Degrees(dp_replicate=world // ep, ep=ep))
+        self.dims = ParallelDims(Degrees(dp_replicate=world // ep, dp_shard=ep, ep=ep))
         self.expert_params = place_experts(module, self.dims, a2a, make)
 
     def expert_parameters(self) -> list[nn.Parameter]:

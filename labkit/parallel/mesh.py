@@ -1,10 +1,11 @@
 """One device mesh for every layout: the degree of each parallelism, and every process group a run uses.
 
 In the spirit of torchtitan's ``ParallelDims`` and picotron's process-group manager, a run's layout is
-six degrees whose product is the world size (:class:`Degrees`), and one object (:class:`ParallelDims`)
-builds the mesh once, with ``init_device_mesh``, and hands out every group, rank and world size that
-placing the model, reading the data, reducing the loss, clipping and checkpointing need. Nothing
-else in labkit builds a process group for a parallelism.
+six degrees with torchtitan's meanings (:class:`~labkit.parallel.degrees.Degrees`: the world is
+``pp x dp_replicate x dp_shard x cp x tp``, and ``ep`` is carved out of ``dp_shard``), and one object
+(:class:`ParallelDims`) builds the mesh once, with ``init_device_mesh``, and hands out every group,
+rank and world size that placing the model, reading the data, reducing the loss, clipping and
+checkpointing need. Nothing else in labkit builds a process group for a parallelism.
 
 Dimensions, outermost first. Ranks are numbered as ``init_device_mesh`` numbers them, the last
 dimension fastest, so an inner dimension's groups are neighbouring ranks: one node's GPUs.
@@ -13,112 +14,35 @@ dimension fastest, so an inner dimension's groups are neighbouring ranks: one no
   all, so stages may sit on different nodes (Narayanan et al. 2021, section 3.2, takeaway 1).
 * ``dp_replicate``: copies of the model, their gradients all-reduced once per step (HSDP's replicate
   dimension, Zhao et al. 2023): little traffic, across nodes.
-* ``dp_shard``: FSDP's shard group (ZeRO-3): an all-gather and a reduce-scatter per block.
+* ``dp_shard``: FSDP's shard group (ZeRO-3): an all-gather and a reduce-scatter per block. With
+  experts it is two mesh dimensions, ``dp_shard_mod_ep`` outside and ``ep`` inside.
 * ``ep``: experts split over ranks, two all-to-alls of tokens per MoE block each way.
 * ``cp``: each sequence split over ranks, its K and V passed round a ring in every attention.
 * ``tp``, innermost: two all-reduces of activations per block in forward and two in backward, on the
   critical path: NVLink only.
 
-Who holds what. The global batch's rows are split over ``dp_replicate x dp_shard x ep`` (the *data*
+Who holds what. The global batch's rows are split over ``dp_replicate x dp_shard`` (the *data*
 ranks); ``cp`` splits each row's tokens; ``tp`` and ``pp`` ranks share rows. The ranks holding
-different tokens, ``dp_replicate x dp_shard x ep x cp`` (the *token* ranks), are data parallel for
-every dense weight: its gradient is averaged over them. The dense weights are sharded (FSDP2) over
-``dp_shard x ep x cp``, ranks that must reduce their gradients together anyway (torchtitan shards over
-``dp_shard x cp`` for the same reason), and replicated over ``dp_replicate``; when that product is 1
-they are only replicated. Experts are split over ``ep``, sharded over ``dp_shard`` and replicated over
-``dp_replicate``.
+different tokens, ``dp_replicate x dp_shard x cp`` (the *token* ranks), are data parallel for every
+dense weight: its gradient is averaged over them. The dense weights are sharded (FSDP2) over
+``dp_shard x cp``, ranks that must reduce their gradients together anyway (torchtitan's
+``dp_shard_cp``), and replicated over ``dp_replicate``; when that product is 1 they are only
+replicated. Experts are split over ``ep``, sharded over ``dp_shard_mod_ep`` and replicated over
+``dp_replicate``, as torchtitan places them.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
-
 import torch.distributed as dist
 
-from labkit.core.checks import positive_int
+from labkit.parallel.degrees import DIMS, MESH_DIMS, Degrees
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
-
-
-@dataclass(frozen=True)
-class Degrees:
-    """How many ranks each parallelism spans; their product is the world size."""
-
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    ep: int = 1
-    cp: int = 1
-    tp: int = 1
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            positive_int(f.name, getattr(self, f.name))
-
-    @property
-    def world(self) -> int:
-        return math.prod(getattr(self, d) for d in DIMS)
-
-    @property
-    def data(self) -> int:
-        """Ranks reading different rows of the global batch."""
-        return self.dp_replicate * self.dp_shard * self.ep
-
-    @property
-    def tokens(self) -> int:
-        """Ranks holding different tokens: every dense gradient is averaged over them."""
-        return self.data * self.cp
-
-    @property
-    def shard(self) -> int:
-        """Ranks each dense weight is sharded over (FSDP's shard group; 1: replicated)."""
-        return self.dp_shard * self.ep * self.cp
-
-    @property
-    def replicate(self) -> int:
-        """Copies of each dense weight's shard, all-reduced across."""
-        return self.dp_replicate
-
-    def check(self, world: int) -> None:
-        """A ValueError in one line unless the degrees multiply to ``world``."""
-        if self.world != world:
-            raise ValueError(f"the degrees {self.label()} multiply to {self.world}, not world_size={world}: "
-                             f"their product must equal the number of ranks")
-
-    def label(self) -> str:
-        """``"pp=2 dp_shard=2 tp=2"``: the degrees above 1 (``"single"`` when none)."""
-        return " ".join(f"{d}={getattr(self, d)}" for d in DIMS if getattr(self, d) > 1) or "single"
-
-    def coords(self, rank: int) -> dict[str, int]:
-        """Rank ``rank``'s place along each dimension: row-major over :data:`DIMS`, the last fastest, as
-        ``init_device_mesh`` numbers a mesh."""
-        out = {}
-        for d in reversed(DIMS):
-            n = getattr(self, d)
-            out[d], rank = rank % n, rank // n
-        return {d: out[d] for d in DIMS}
-
-    def groups(self) -> dict[str, list[list[int]]]:
-        """The ranks of every group along each dimension above 1: the ranks that differ only there."""
-        out: dict[str, list[list[int]]] = {}
-        for d in DIMS:
-            if getattr(self, d) > 1:
-                keyed: dict[tuple, list[int]] = {}
-                for r in range(self.world):
-                    c = self.coords(r)
-                    keyed.setdefault(tuple(v for k, v in c.items() if k != d), []).append(r)
-                out[d] = list(keyed.values())
-        return out
-
-    def flags(self) -> list[str]:
-        """The degree flags of ``python -m labkit.train`` for this layout."""
-        return [x for d in DIMS if getattr(self, d) > 1 for x in ("--" + d.replace("_", "-"), str(getattr(self, d)))]
+__all__ = ["DIMS", "MESH_DIMS", "Degrees", "ParallelDims", "alone_mesh"]
 
 
 class ParallelDims:
     """The mesh of a run and every group cut from it (a collective: every rank builds it, in order).
 
-    One mesh, the world unflattened once: ``mesh`` has the dimensions of :data:`DIMS` above 1; ``dense``
+    One mesh, the world unflattened once: ``mesh`` has the dimensions of :data:`MESH_DIMS` above 1; ``dense``
     holds the 1-D meshes ``pp``, ``replicate``, ``shard`` and ``tp`` (and HSDP's 2-D ``("replicate",
     "shard")``), the data-parallel dimensions regrouped as FSDP2 takes them (module docstring), cut from
     that mesh without splitting it again (:func:`_built`; HSDP keeps a shard of 1).
@@ -143,7 +67,16 @@ class ParallelDims:
     # -- groups, None where the dimension is 1 (nothing to talk to) --
     def group(self, dim: str) -> dist.ProcessGroup | None:
         """The group of ranks that differ only along ``dim`` (one of :data:`DIMS`)."""
-        return self.mesh[dim].get_group() if getattr(self.degrees, dim) > 1 else None
+        d = self.degrees
+        if getattr(d, dim) == 1:
+            return None
+        if dim == "dp_shard" and d.ep > 1:  # dp_shard is two mesh dimensions, ep inside
+            if d.dp_shard_mod_ep == 1:
+                return self.mesh["ep"].get_group()
+            if d.cp > 1:  # no view holds dp_shard alone then (a MoE refuses cp anyway)
+                raise ValueError(f"no single group spans dp_shard in {d.label()}; ask for 'ep' or the dense 'shard'")
+            return self.dense_group("shard")  # dp_shard x cp, cp = 1
+        return self.mesh["dp_shard_mod_ep" if dim == "dp_shard" else dim].get_group()
 
     def dense_group(self, dim: str) -> dist.ProcessGroup | None:
         """The ``replicate`` or ``shard`` group of the dense weights (module docstring)."""
@@ -163,20 +96,20 @@ class ParallelDims:
         return self.dense["shard"] if d.replicate == 1 else self.dense["replicate", "shard"]
 
     def expert_mesh(self):
-        """FSDP2's mesh for this rank's experts, as :meth:`dp_mesh` over ``(dp_replicate, dp_shard)``;
-        None when no other rank holds them."""
+        """FSDP2's mesh for this rank's experts, as :meth:`dp_mesh` over ``(dp_replicate,
+        dp_shard_mod_ep)``, the ranks holding the same experts; None when no other rank holds them."""
         d = self.degrees
-        if d.dp_replicate * d.dp_shard == 1:
+        if d.dp_replicate * d.dp_shard_mod_ep == 1:
             return None
-        return self.mesh["dp_shard"] if d.dp_replicate == 1 else self.mesh["dp_replicate", "dp_shard"]
+        return self.mesh["dp_shard_mod_ep"] if d.dp_replicate == 1 else self.mesh["dp_replicate", "dp_shard_mod_ep"]
 
 
     # -- this rank's place --
     @property
     def data_rank(self) -> int:
-        """Which share of every global batch this rank reads (row-major over dp_replicate, dp_shard, ep)."""
+        """Which share of every global batch this rank reads (row-major over dp_replicate, dp_shard)."""
         c, d = self.coords, self.degrees
-        return (c["dp_replicate"] * d.dp_shard + c["dp_shard"]) * d.ep + c["ep"]
+        return c["dp_replicate"] * d.dp_shard + c["dp_shard"]
 
     @property
     def data_world(self) -> int:
@@ -197,7 +130,7 @@ class ParallelDims:
         out: dict[str, str] = {}
         if self.mesh is None:
             return out
-        for view, names in ((self.dense, ("replicate", "shard", "tp", "pp")), (self.mesh, DIMS)):
+        for view, names in ((self.dense, ("replicate", "shard", "tp", "pp")), (self.mesh, MESH_DIMS)):
             for d in names:
                 if _size(view, d) > 1:
                     out.setdefault(view[d].get_group().group_name, d)
@@ -225,7 +158,7 @@ def _built(d: Degrees, device_type: str, rank: int) -> tuple:
     """``(mesh, dense, tokens_group, pp_ends_group)`` of a layout, built by every rank together the
     first time the default group asks for it.
 
-    The world is split once, into the dimensions of :data:`DIMS` (each split a collective over every
+    The world is split once, into the dimensions of :data:`MESH_DIMS` (each split a collective over every
     rank; on CUDA with a bound device, one NCCL communicator per rank per dimension). Every other view is
     cut from that one mesh, as torchtitan's ``ParallelDims`` slices and flattens its world mesh: the
     dense weights' ``shard`` and the ``tokens`` are flattened from neighbouring dimensions, a new group
@@ -241,13 +174,14 @@ def _built(d: Degrees, device_type: str, rank: int) -> tuple:
 
     world = init_device_mesh(device_type, (d.world,), mesh_dim_names=("world",))
     # HSDP's 2-D meshes keep a shard dimension of 1 (replication alone); FSDP2 takes them so.
-    mesh = _view(world, {n: getattr(d, n) for n in DIMS}, keep="dp_shard" if d.dp_replicate > 1 else "")
+    mesh = _view(world, d.mesh_sizes, keep="dp_shard_mod_ep" if d.dp_replicate > 1 else "")
     made: dict[tuple[str, ...], object] = {}
     dense = {"pp": _joined(mesh, ("pp",), "pp", made), "replicate": _joined(mesh, ("dp_replicate",), "", made),
-             "shard": _joined(mesh, ("dp_shard", "ep", "cp"), "shard", made), "tp": _joined(mesh, ("tp",), "", made)}
+             "shard": _joined(mesh, ("dp_shard_mod_ep", "ep", "cp"), "shard", made),
+             "tp": _joined(mesh, ("tp",), "", made)}
     if dense["replicate"] is not None:
         dense["replicate", "shard"] = DeviceMesh._concatenate([dense["replicate"], dense["shard"]])
-    tokens = _joined(mesh, ("dp_replicate", "dp_shard", "ep", "cp"), "tokens", made)
+    tokens = _joined(mesh, ("dp_replicate", "dp_shard_mod_ep", "ep", "cp"), "tokens", made)
     tokens_group = tokens.get_group() if d.tokens > 1 else None
     pp_ends = _pp_ends(d, mesh, rank)
     _BUILT[(device_type, d)] = (world_group, mesh, dense, tokens_group, pp_ends)

@@ -16,7 +16,7 @@ Two implementations of the same split, held against each other and against one p
 * :func:`parallelize_scratch`, for teaching: :class:`ColumnParallelLinear` and
   :class:`RowParallelLinear` with ``f`` and ``g`` written as autograd functions.
 
-The model never imports this module: both paths rewrite a plain :class:`labkit.model.GPT`.
+The model never imports this module: both paths rewrite a plain :class:`labkit.core.model.GPT`.
 """
 from __future__ import annotations
 

@@ -110,9 +110,10 @@ def _check(a) -> None:
     check_shape_flags(a)
     if a.device_gb is not None:
         at_most("--device-gb", positive_number("--device-gb", a.device_gb), 1e6, "a million GB on one device")
-    if a.tokens is not None:
-        positive_number("--tokens", a.tokens)
-    positive_number("--preemptions-per-day", a.preemptions_per_day)
+    if a.tokens is not None:  # Llama 3 405B: 15.6e12 tokens
+        at_most("--tokens", positive_number("--tokens", a.tokens), 1e15, "about 60 times Llama 3's training set")
+    at_most("--preemptions-per-day", positive_number("--preemptions-per-day", a.preemptions_per_day), 1440,
+            "one a minute")
     given = [f for f in LORA_FLAGS if getattr(a, f) not in (None, False)]
     if given and a.finetune is None:
         raise ValueError(f"--{given[0].replace('_', '-')} applies to --finetune lora or qlora")

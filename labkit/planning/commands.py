@@ -20,9 +20,10 @@ AC_POLICY = {"selective": "selective", "op": "selective:alternate", "full": "ful
 
 
 def degrees(plan) -> Degrees:
-    """``plan`` on labkit's mesh: the planner's ``dp`` is replicas x FSDP shards x EP ranks."""
+    """``plan`` on labkit's mesh: the planner's ``dp`` is replicas x FSDP shards, the EP ranks carved out
+    of the shards (torchtitan's meaning, the mesh's too)."""
     if plan.zero == 3:
-        data = {"dp_replicate": plan.replicas, "dp_shard": plan.dp // (plan.replicas * plan.ep), "ep": plan.ep}
+        data = {"dp_replicate": plan.replicas, "dp_shard": plan.dp // plan.replicas, "ep": plan.ep}
     else:
         data = {"dp_replicate": plan.dp}
     return Degrees(pp=plan.pp, cp=plan.cp, tp=plan.tp, **data)

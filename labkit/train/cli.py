@@ -47,6 +47,15 @@ MODEL_HELP = {
 CLI_ONLY = ("return_params",)  # fields a notebook sets and a command line has no use for
 
 
+# Flags that were renamed: one line saying what each became (issue 47: one vocabulary for a layout)
+RENAMED = {"--schedule": "--pp-schedule"}
+
+
+class _Renamed(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is now {RENAMED[option_string]}")
+
+
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:  # no "(default: None)" noise
         return action.help if action.default in (None, argparse.SUPPRESS) else super()._get_help_string(action)
@@ -74,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     for f in fields(TrainConfig):
         if f.name in CLI_ONLY:
             continue
-        names = ["--" + f.name.replace("_", "-")] + (["--schedule"] if f.name == "pp_schedule" else [])
+        names = ["--" + f.name.replace("_", "-")]
         kind = _kind(f, f.default)
         if f.name == "strategy":
             kind = {"choices": ["auto", *STRATEGIES]}
@@ -92,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list-strategies", action="store_true", help="describe every strategy and exit")
     p.add_argument("--can-checkpoint", action="store_true", help="print 'yes' when --strategy can save and resume, "
                    "else 'no: <why>', and exit (for batch scripts)")
+    p.add_argument("--schedule", action=_Renamed, help=argparse.SUPPRESS)
     # The `deepspeed` launcher passes --local_rank; the rank is read from the environment anyway.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p

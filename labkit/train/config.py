@@ -77,21 +77,20 @@ class TrainConfig:
                                  "(ZeRO-Offload)")
     dp_replicate: int = _f(1, "strategy", "mesh: data-parallel replicas of the model (HSDP's replicate "
                            "dimension; with --dp-shard 1 and no cp or ep, plain replication)")
-    dp_shard: int = _f(0, "strategy", "mesh: data-parallel ranks FSDP2 shards each weight over, the cp and ep ranks "
-                       "joining them (0: the ranks the other degrees leave)")
+    dp_shard: int = _f(0, "strategy", "mesh: data-parallel ranks FSDP2 shards each weight over, the cp ranks "
+                       "joining them; the ep ranks are carved out of them (0: the ranks the other degrees leave)")
     tp: int = _f(0, "strategy", "tp, tp_scratch, mesh: tensor-parallel degree, ranks per group (0: every rank; "
                  "mesh: 1); the other world/tp ranks are FSDP2 data parallel")
     sequence_parallel: bool = _f(False, "strategy", "tp, mesh: LayerNorms and dropout on s/tp tokens per rank "
                                  "(all-gather + reduce-scatter instead of all-reduce)")
     cp: int = _f(0, "strategy", "cp, mesh: context-parallel degree, ranks sharing each sequence (0: every rank; "
                  "mesh: 1); the other world/cp ranks are data parallel")
-    ep: int = _f(0, "strategy", "ep, mesh: expert-parallel degree, ranks sharing one copy of the experts (0: every "
-                 "rank; mesh: 1); the other world/ep ranks are data parallel")
+    ep: int = _f(0, "strategy", "ep, mesh: expert-parallel degree, ranks sharing one copy of the experts, carved "
+                 "out of dp_shard as in torchtitan (--dp-shard 2 --ep 2 is 2 ranks) (0: every rank; mesh: 1)")
     pp: int = _f(0, "strategy", "pp, pp_scratch, mesh: pipeline stages (0: every rank; mesh: 1)")
     microbatches: int = _f(4, "strategy", "pp, pp_scratch, mesh: microbatches each data-parallel rank's rows are "
                            "cut into for the pipeline")
-    pp_schedule: str = _f("1f1b", "strategy", "pp, pp_scratch, mesh: pipeline schedule (--schedule is the old "
-                          "name)", PP_SCHEDULES)
+    pp_schedule: str = _f("1f1b", "strategy", "pp, pp_scratch, mesh: pipeline schedule", PP_SCHEDULES)
     pp_stages_per_rank: int = _f(0, "strategy", "pp, mesh: stages each rank holds under interleaved or zb (2 or "
                                  "more; 0: 2), torchtitan's virtual stages")
     pp_first_stage_less_layers: int = _f(0, "strategy", "pp, mesh: layers fewer on the first stage, which holds "
@@ -177,7 +176,8 @@ class TrainConfig:
         non_negative_int("seed", self.seed)
         at_most("lr", positive_number("lr", self.lr), 1e3, "AdamW's steps are about lr each: it diverged long before")
         positive_number("bucket_cap_mb", self.bucket_cap_mb)
-        non_negative_number("weight_decay", self.weight_decay)
+        at_most("weight_decay", non_negative_number("weight_decay", self.weight_decay), 1e3,
+                "AdamW multiplies the weights by 1 - lr x weight_decay each step: past that they flip sign")
         non_negative_number("link_gbps", self.link_gbps)
         non_negative_number("link_latency_ms", self.link_latency_ms)
         if self.link_latency_ms and not self.link_gbps:
@@ -226,7 +226,10 @@ def degrees_for(cfg: TrainConfig, world: int) -> Degrees:
             given[dim] = value or (world if spec.zero_means_all else 1)
             if world % given[dim]:
                 raise ValueError(f"{name}={given[dim]} must divide world_size={world}: {WHY.get(dim, '')}".rstrip(": "))
-    others = math.prod(v for d, v in given.items() if d != spec.rest)
+    if given.get("ep", 1) > 1 and spec.rest != "dp_shard" and "dp_shard" not in given:
+        given["dp_shard"] = given["ep"]  # ep is carved out of dp_shard (torchtitan): the least that holds it
+    # ep spans no ranks of its own: it is carved out of dp_shard (labkit.parallel.degrees)
+    others = math.prod(v for d, v in given.items() if d not in (spec.rest, "ep"))
     if spec.rest not in given:
         if world % others:
             raise ValueError(f"the degrees {Degrees(**given).label()} multiply to {others}, which does not divide "

@@ -41,7 +41,7 @@ def predicted_model_states(plan: Plan) -> dict[str, int]:
 
     dense, experts = params_on_rank(plan.model_cfg, d, plan.dims.coords["pp"],
                                     plan.cfg.pp_schedule if plan.pipelined else None)
-    return _fp32_adamw_states(dense / d.shard + experts / d.dp_shard)
+    return _fp32_adamw_states(dense / d.shard + experts / d.dp_shard_mod_ep)
 
 
 def _recomputed(policy: str, layers: int) -> int:

@@ -58,6 +58,8 @@ def check_ahead(cfg: TrainConfig, model_cfg: GPTConfig, world: int) -> Degrees:
     asked = {dim: getattr(cfg, name) for dim, name in spec.degrees if getattr(cfg, name) and dim != spec.rest}
     if spec.pp_impl is not None:
         asked["pp"] = cfg.pp or world
+    if "ep" in asked and "dp_shard" not in asked:  # the ranks it is carved from, before the world is known
+        asked["dp_shard"] = asked["ep"]
     staged = spec.pp_impl is not None or asked.get("pp", 1) > 1
     check_layout(Degrees(**asked), model_cfg, None, cfg.microbatches if staged else None, cfg.pp_schedule,
                  spec.pp_impl or "torch", cfg.sequence_parallel, split=cfg.pp_split)  # the model, then the world

@@ -120,7 +120,7 @@ def check_run(cfg: TrainConfig, spec: Strategy, model_cfg: GPTConfig, d: Degrees
     if cfg.fsdp_bf16 and d.tokens == 1 and spec.dp_impl == "fsdp":
         where = f"{d.label()} on {d.world} ranks" if d.world > 1 else "one rank"
         raise ValueError(f"fsdp_bf16=True has no effect with {where}: FSDP2 wraps the weights only where ranks "
-                         "hold different tokens (dp_replicate x dp_shard x ep x cp > 1); use precision='bf16' here")
+                         "hold different tokens (dp_replicate x dp_shard x cp > 1); use precision='bf16' here")
     if cfg.sequence_parallel and d.tp == 1:
         raise ValueError(f"sequence_parallel=True has no effect with tp=1 ({d.label()}): it splits what tensor "
                          "parallelism's ranks would each repeat; leave it out")

@@ -96,7 +96,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              "the world/cp groups data parallel", "the sequence (activations); parameters replicated", 0, None,
              degrees=(("cp", "cp"),), dp_impl="ddp", options=("cp", "bucket_cap_mb"), needs_group=True),
     Strategy("ep", "expert parallel: a mixture-of-experts model's experts split over ep ranks, tokens sent to "
-             "them by all-to-all; the world/ep groups data parallel", "the experts of every MoE block", 0, None,
+             "them by all-to-all; the world/ep groups data parallel (--dp-shard ep --ep ep, the rest replicas)", "the experts of every MoE block", 0, None,
              degrees=(("ep", "ep"),), options=("ep",), needs_group=True, moe=True),
     Strategy("pp", "pipeline parallel with torch.distributed.pipelining: GPipe, 1F1B or interleaved 1F1B",
              "the layers (one stage per rank)", 0, None, degrees=(("pp", "pp"),), rest="dp_shard", pp_impl="torch",
@@ -115,7 +115,7 @@ OPTIONS = tuple(sorted({o for s in STRATEGIES.values() for o in s.options}))
 # Why each dimension's degree must divide the world size, in the words of the one-line error
 WHY = {"tp": "(data-parallel x tensor-parallel ranks)",
        "cp": "groups of cp ranks share each sequence, the world_size/cp groups are data parallel",
-       "ep": "each group of ep ranks holds all the experts, the world_size/ep groups are data parallel",
+       "ep": "each group of ep ranks holds all the experts, carved out of the dp_shard ranks",
        "pp": "pp stages, the world_size/pp groups of them data parallel",
        "dp_replicate": "each of the replicas holds a copy sharded over world_size/replicas ranks"}
 

@@ -1,40 +1,112 @@
 """The stall profiler against loaders whose costs are known, and the lab's workloads."""
+import threading
 import time
+import types
 
 import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import labkit.feeding.stalls as stalls
+import labkit.feeding.workloads as workloads
 from labkit.feeding.stalls import StallReport, StepRecord, analytic_wait_fraction, classify, count_tokens, measure_stalls
 from labkit.feeding.workloads import (IGNORE, PAD_ID, MemmapSamples, SleepBatches, TextSamples, epochs,
                                   pretokenize, speeches)
 from labkit.feeding.prefetch import BackgroundPrefetcher
 
-# Sleeps, not CPU work: a sleep's length does not depend on what else the 2 cores are running.
 LOAD_S, COMPUTE_S = 0.08, 0.05
 
 
+class Clock:
+    """Seconds that pass only when something sleeps: every phase the profiler times is then exact,
+    whatever else the machine's two cores are running."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    """The profiler's clock and the workloads' sleeps, both on one :class:`Clock`."""
+    c = Clock()
+    monkeypatch.setattr(stalls, "time", types.SimpleNamespace(perf_counter=c.perf_counter))
+    monkeypatch.setattr(workloads, "time", types.SimpleNamespace(sleep=c.sleep))
+    return c
+
+
+class WorkerPipeline:
+    """What ``DataLoader(num_workers=w, prefetch_factor=p)`` does with batches of ``load_s`` each, on a
+    :class:`Clock`: batch k goes to worker ``k % w``, is sent to it once batch ``k - w p`` has been
+    handed over (p batches in flight per worker), and is ready ``load_s`` after its worker has it and
+    is done with the one before; ``next()`` blocks until then."""
+
+    def __init__(self, n: int, load_s: float, workers: int, prefetch: int, clock: Clock) -> None:
+        self.n, self.load_s, self.w, self.p, self.clock = n, load_s, workers, prefetch, clock
+
+    def __iter__(self):
+        start, handed, ready = self.clock.now, [], []
+        for k in range(self.n):
+            sent = start if k < self.w * self.p else handed[k - self.w * self.p]
+            free = ready[k - self.w] if k >= self.w else start
+            ready.append(max(sent, free) + self.load_s)
+            self.clock.now = max(self.clock.now, ready[k])
+            handed.append(self.clock.now)
+            yield torch.tensor([k])
+
+
 @pytest.mark.parametrize("workers", [0, 1, 2])
-def test_measured_wait_fraction_matches_the_analytic_steady_state(workers):
+def test_measured_wait_fraction_matches_the_analytic_steady_state(clock, workers):
     """0 workers: L/(L+C) = 0.615; 1 worker: (L-C)/L = 0.375; 2 workers: L/2 < C, so 0.
 
-    The first ``workers + 1`` steps are warm-up and left out: the first batch pays the workers'
-    start-up (a fork each) and, until every worker has delivered once, the pipeline is still filling.
-    The median over steps of each step's share is compared: a step delayed by another process on
-    the machine moves the mean, not the typical step. L/w stays 10 ms short of C at 2 workers, so
-    the ~1 ms the DataLoader needs to hand a ready batch over is not mistaken for starvation.
+    On a :class:`Clock`, so exactly: no worker is descheduled by another process. With no workers the
+    loader is a real DataLoader over :class:`SleepBatches` (its sleeps on the clock); with workers, the
+    DataLoader's pipeline as :class:`WorkerPipeline` models it (worker processes cannot share the
+    clock: test_a_real_loader_with_workers_is_timed_step_by_step times real ones). The first
+    ``workers + 1`` steps are warm-up, left out: until every worker has delivered once the pipeline
+    is still filling.
     """
-    loader = DataLoader(SleepBatches(16, LOAD_S), batch_size=None, num_workers=workers,
-                        prefetch_factor=2 if workers else None)
-    rep = measure_stalls(loader, lambda b: time.sleep(COMPUTE_S), warmup=workers + 1)
+    if workers:
+        loader = WorkerPipeline(16, LOAD_S, workers, 2, clock)
+    else:
+        loader = DataLoader(SleepBatches(16, LOAD_S), batch_size=None, num_workers=0)
+    rep = measure_stalls(loader, lambda b: clock.sleep(COMPUTE_S), warmup=workers + 1)
     expected = analytic_wait_fraction(LOAD_S, COMPUTE_S, workers)
     assert expected == pytest.approx({0: 8 / 13, 1: 3 / 8, 2: 0.0}[workers])
-    assert abs(rep.median_wait_fraction - expected) < 0.05, (rep.median_wait_fraction, expected)
+    assert rep.median_wait_fraction == pytest.approx(expected, abs=1e-9), (rep.median_wait_fraction, expected)
+    assert rep.wait_fraction == pytest.approx(expected, abs=1e-9)  # every steady step alike: the mean too
+    assert rep.step_s == pytest.approx(max(COMPUTE_S, LOAD_S / workers) if workers else LOAD_S + COMPUTE_S)
     assert len(rep.steps) == 16 and len(rep.steady) == 16 - workers - 1
+    assert rep.steps[0].wait == pytest.approx(LOAD_S)  # the first batch, loaded while the step waits
     assert rep.copy_fraction == 0.0  # CPU: nothing is copied, and 0 is reported, not a guess
-    if workers == 0:
-        assert rep.classification == "highly input-bound"
+    assert rep.classification == {0: "highly input-bound", 1: "highly input-bound", 2: "not input-bound"}[workers]
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2])
+def test_a_real_loader_with_workers_is_timed_step_by_step(workers):
+    """Real worker processes on the real clock: what holds however long anything took. A sleep lasts
+    at least its length, so each step computes for at least C, and the first waits at least L (its
+    batch loaded, and the workers started, after the measurement began); the phases partition each
+    step; steps follow one another."""
+    n = 6
+    loader = DataLoader(SleepBatches(n, LOAD_S), batch_size=None, num_workers=workers,
+                        prefetch_factor=2 if workers else None)
+    rep = measure_stalls(loader, lambda b: time.sleep(COMPUTE_S), warmup=workers + 1)
+    assert len(rep.steps) == n and len(rep.steady) == n - workers - 1
+    assert rep.copy_fraction == 0.0
+    assert rep.steps[0].start == 0.0 and rep.steps[0].wait >= LOAD_S - 1e-6
+    end = 0.0
+    for r in rep.steps:
+        assert r.wait + r.copy + r.compute == pytest.approx(r.end - r.start, abs=1e-9)
+        assert r.start >= end and r.wait >= 0 and r.compute >= COMPUTE_S - 1e-6
+        end = r.end
+    assert 0.0 <= rep.median_wait_fraction <= 1.0 and 0.0 <= rep.wait_fraction <= 1.0
 
 
 def test_analytic_formula():
@@ -57,32 +129,34 @@ def _padded_batches(n, rows=4, cols=8, real=2):
     return [(x, x.clone()) for _ in range(n)]
 
 
-def test_phases_tokens_and_busy_share():
-    """Padding counts as busy; useful tokens do not include it."""
+def test_phases_tokens_and_busy_share(clock):
+    """Padding counts as busy; useful tokens do not include it. On a :class:`Clock`: 10 ms of load and
+    20 ms of step, exactly."""
     def slow(batches):
         for b in batches:
-            time.sleep(0.01)
+            clock.sleep(0.01)
             yield b
 
-    rep = measure_stalls(slow(_padded_batches(6)), lambda b: time.sleep(0.02), warmup=1, pad_id=PAD_ID)
+    rep = measure_stalls(slow(_padded_batches(6)), lambda b: clock.sleep(0.02), warmup=1, pad_id=PAD_ID)
     assert len(rep.steps) == 6 and rep.pinned is None
     for r in rep.steps:
-        assert r.wait + r.copy + r.compute <= r.end - r.start + 1e-9
+        assert (r.wait, r.copy, r.compute) == pytest.approx((0.01, 0.0, 0.02))
+        assert r.end - r.start == pytest.approx(0.03)
         assert r.tokens == 32 and r.useful_tokens == 8
     assert rep.pad_fraction == pytest.approx(0.75)
-    assert rep.busy_fraction + rep.wait_fraction == pytest.approx(1.0, abs=0.01)
+    assert rep.elapsed_s == pytest.approx(5 * 0.03) and rep.step_s == pytest.approx(0.03)
+    assert rep.wait_fraction == pytest.approx(1 / 3) and rep.busy_fraction == pytest.approx(2 / 3)  # 10 ms of 30
     assert rep.useful_busy_fraction == pytest.approx(rep.busy_fraction * 0.25)
-    assert rep.useful_tokens_per_s == pytest.approx(rep.tokens_per_s / 4)
-    assert rep.useful_tokens_per_s == pytest.approx(5 * 8 / rep.elapsed_s)
-    assert 0.2 < rep.wait_fraction < 0.5  # 10 ms of 30
+    assert rep.tokens_per_s == pytest.approx(5 * 32 / 0.15)
+    assert rep.useful_tokens_per_s == pytest.approx(5 * 8 / 0.15)
     s = rep.summary()
     assert s["n_steps"] == 6 and len(s["steps"]) == 6 and s["classification"] == rep.classification
     assert count_tokens(_padded_batches(1)[0]) == (32, 32)  # no pad_id: every token counts
 
 
-def test_diagnosis_names_padding_when_the_input_is_not_the_problem():
-    rep = measure_stalls(_padded_batches(4), lambda b: time.sleep(0.01), warmup=1, pad_id=PAD_ID)
-    assert rep.classification == "not input-bound"
+def test_diagnosis_names_padding_when_the_input_is_not_the_problem(clock):
+    rep = measure_stalls(_padded_batches(4), lambda b: clock.sleep(0.01), warmup=1, pad_id=PAD_ID)
+    assert rep.input_fraction == 0.0 and rep.classification == "not input-bound"  # a list waits for nothing
     assert "75% of the tokens computed are padding" in rep.diagnosis
 
 
@@ -146,18 +220,28 @@ def test_pretokenized_memmap_holds_the_same_rows(tmp_path):
     assert torch.equal(a, torch.stack([ds[i][0] for i in range(40)]))
 
 
-def test_background_prefetcher_overlaps_waits_and_keeps_order():
-    def slow():
-        for i in range(8):
-            time.sleep(0.03)
+def test_background_prefetcher_overlaps_loading_with_the_step_and_keeps_order():
+    """While the training loop runs step i, the prefetcher's thread already asks the loader for item
+    i + 1 (a loader pulled only between steps never would: the step waits for that, so a prefetcher
+    that does not overlap fails on the timeout instead of hanging), and never more than ``depth + 1``
+    items ahead of the step (its queue holds ``depth``, and one more is in its hands)."""
+    n, depth = 8, 2
+    asked = [threading.Event() for _ in range(n)]
+
+    def loader():
+        for i in range(n):
+            asked[i].set()
             yield torch.tensor([i])
 
     seen = []
-    plain = measure_stalls(slow(), lambda b: time.sleep(0.03), warmup=2)
-    pre = measure_stalls(BackgroundPrefetcher(slow(), depth=2), lambda b: (seen.append(int(b)), time.sleep(0.04)),
-                         warmup=2)
-    assert seen == list(range(8))
-    assert plain.median_wait_fraction > 0.4 and pre.median_wait_fraction < 0.15
+    for b in BackgroundPrefetcher(loader(), depth=depth):
+        i = int(b)
+        seen.append(i)
+        if i + depth + 2 < n:
+            assert not asked[i + depth + 2].is_set(), f"step {i}: item {i + depth + 2} read ahead of the queue"
+        if i + 1 < n:
+            assert asked[i + 1].wait(timeout=60), f"step {i} ran and the loader was never asked for item {i + 1}"
+    assert seen == list(range(n))
 
     def broken():
         yield torch.tensor([0])
