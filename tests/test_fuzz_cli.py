@@ -5,9 +5,7 @@ refused in one line, exit status 2; never a traceback, never a hang (issue 29).
 
 Which it must be is written down here, flag by flag (the ``*_TAKES`` tables): a value a table does
 not list for its flag must be refused, so a flag that starts to take garbage fails its test, and one
-that starts to refuse a valid value fails it too (issue 47). Values a command takes today and must not
-are listed in :data:`GARBAGE`, each flag a strict xfail of its own: the bug stays visible, and the
-xfail turns into a failure the day it is fixed, to be taken off the list.
+that starts to refuse a valid value fails it too (issue 47).
 
 What each command does with a value it takes is not run here: the training run, the lab or the
 benchmark is replaced by a stub once every check before it has passed.
@@ -62,12 +60,6 @@ HUB_TAKES = {"--state": DIRS, "--gpus": ZERO, "USER": {"nan", "inf", "x"}}
 
 # -- taken today, and must not be: (command, flag) -> (values, why) ---------------------------------
 
-GARBAGE = {
-    ("lab", "lr"): (ZERO, "check_override takes 0 where the profile's value is positive; TrainConfig refuses "
-                    "lr=0 inside the lab, after it started"),
-    ("lab", "bucket_cap_mb"): (ZERO, "check_override takes 0; TrainConfig refuses bucket_cap_mb=0 inside the lab"),
-    ("lab", "ring_numel"): (ZERO, "check_override takes 0; ring_check refuses numel=0 inside the lab"),
-}
 
 
 @pytest.fixture(scope="module")
@@ -231,12 +223,8 @@ COMMANDS = {"train": _train, "memory": _memory, "comm_bench": _comm_bench, "lab"
 def _every_flag(command: str, capsys, paths, monkeypatch) -> None:
     cmd = COMMANDS[command](monkeypatch)
     assert set(cmd.takes) <= set(cmd.argv), sorted(set(cmd.takes) - set(cmd.argv))  # no table row for a gone flag
-    assert {f for c, f in GARBAGE if c == command} <= set(cmd.argv)
     for flag, argv in cmd.argv.items():
-        known = GARBAGE.get((command, flag), (set(), ""))[0]  # test_garbage_taken_today_is_refused's
         for value in HOSTILE:
-            if value in known:
-                continue
             taken = value in cmd.takes.get(flag, ())
             out = _expect(capsys, cmd.run, argv(paths.get(value, value)), taken)
             if taken:
@@ -273,13 +261,3 @@ def test_every_assignments_flag_takes_or_refuses_each_hostile_value(capsys, path
 
 def test_every_hub_flag_takes_or_refuses_each_hostile_value(capsys, paths, monkeypatch):
     _every_flag("hub", capsys, paths, monkeypatch)
-
-
-@pytest.mark.parametrize("command, flag", [pytest.param(c, f, id=f"{c}-{f}", marks=pytest.mark.xfail(strict=True, reason=why))
-                                           for (c, f), (_, why) in GARBAGE.items()])
-def test_garbage_taken_today_is_refused(command, flag, capsys, paths, monkeypatch):
-    """Each known bug: the values must be refused in one line. It fails today (xfail); when it passes,
-    the bug is fixed: take its entry off GARBAGE, and its values are held by the flag's test again."""
-    cmd = COMMANDS[command](monkeypatch)
-    for value in sorted(GARBAGE[command, flag][0]):
-        _expect(capsys, cmd.run, cmd.argv[flag](paths.get(value, value)), taken=False)

@@ -67,6 +67,8 @@ def _profile(lab: str, profile: str) -> dict:
 COUNTS = ("steps", "batch_size", "n_layer", "n_head", "n_embd", "block_size", "world_size", "microbatches",
           "grad_accum", "vocab_size", "gpus")
 FRACTIONS = ("dropout",)
+# Numbers that must be above 0 (the loop or the check refuses 0 later, once the lab has started)
+POSITIVE = ("lr", "bucket_cap_mb", "ring_numel")
 
 
 def check_override(key: str, value: Any, default: Any, name: str = "", whole: Any = None) -> None:
@@ -110,6 +112,8 @@ def check_override(key: str, value: Any, default: Any, name: str = "", whole: An
         raise ValueError(named("a whole number of at least 1"))
     if key in FRACTIONS and not 0 <= value < 1:
         raise ValueError(named("at least 0 and below 1"))
+    if key in POSITIVE and value <= 0:
+        raise ValueError(named("above 0"))
     if isinstance(default, (int, float)) and default >= 0 and value < 0:
         raise ValueError(named("at least 0"))
     if whole is not None and isinstance(default, (int, float)) and default > 0 and value <= 0:
