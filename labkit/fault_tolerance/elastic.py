@@ -176,6 +176,10 @@ def run(cfg: dict, replica: int, port: int, out: str) -> dict:
     q = Quorum(port, replica, replicas, cfg["timeout_s"], cfg.get("collective_s", 10.0), cfg["stale_s"])
     tr, snap = Trainer(cfg, policy), PeerSnapshot()
     ck, step = None, 0
+    # shrink: a re-formed group trains one step on its own before it lets a replacement in, so a lost
+    # replica always costs at least one degraded step, however fast torchrun restarts it (without this,
+    # a replacement that asked before the survivors' first step joined at once: a race, seen in CI)
+    stepped = True
     if restart:
         step, ck = _grow(q, tr, snap, ck, 0, log, None)
     else:
@@ -187,7 +191,7 @@ def run(cfg: dict, replica: int, port: int, out: str) -> dict:
             ck = Checkpointer(cfg["ckpt_dir"], keep_last=2)
     while step < cfg["steps"] or len(q.members) < replicas:
         try:
-            joiners = q.joiners()
+            joiners = q.joiners() if policy != "shrink" or stepped or step >= cfg["steps"] else []
             if joiners:
                 step, ck = _grow(q, tr, snap, ck, step, log, joiners)
                 continue
@@ -199,7 +203,7 @@ def run(cfg: dict, replica: int, port: int, out: str) -> dict:
                 os.kill(os.getpid(), signal.SIGKILL)  # no warning, no cleanup: a GPU falling off the bus
             t0 = time.perf_counter()
             loss = tr.step(step, q.members, replica)
-            step += 1
+            step, stepped = step + 1, True
             # a floor under the step time: a real model's step outlasts a replacement's start-up
             time.sleep(max(0.0, cfg.get("min_step_s", 0.0) - (time.perf_counter() - t0)))
             shares = list(range(replicas)) if policy != "shrink" else q.members
@@ -217,6 +221,7 @@ def run(cfg: dict, replica: int, port: int, out: str) -> dict:
             _close_quietly(ck)
             ck = None
         _fail(q, failure, step, log)
+        stepped = False
         if policy != "peer":
             tr.opt.zero_grad(set_to_none=True)
             step = _live_recovery(tr, step)  # survivors agree on one state, whoever stepped

@@ -88,7 +88,7 @@ def lab_items(s: Setting, labs: list[str], profile: str, out: Path, as_script: b
         overrides = GPU_CHECK.get(name, {}) if profile == "gpu" else {}
         how = "papermill" if notebook else "as a script"
         need = MIN_GPUS.get(name, 1)
-        seconds = budget.grant(LAB_S)
+        seconds = budget.grant(LAB_S[s.device])
         if profile == "gpu" and need > s.world:
             # its gpu profile would run the cpu profile on CPU processes: no GPU code, minutes of gloo
             items.append(Item(f"lab {name}", "skip", f"needs {need} GPUs and this machine has {s.world}"))
@@ -104,7 +104,7 @@ def lab_items(s: Setting, labs: list[str], profile: str, out: Path, as_script: b
                 path = run_lab_apart(name, profile, out, overrides, not notebook, s.world if profile == "gpu" else None,
                                      seconds)
             except LabOver as e:
-                cut = "; that was what the check's budget had left" if budget.total and seconds < LAB_S else ""
+                cut = "; that was what the check's budget had left" if budget.total and seconds < LAB_S[s.device] else ""
                 return [Item(f"lab {name}", "over", f"{e}{cut}")]
             return [Item(f"lab {name}", "pass", f"{profile} profile{' (trimmed)' if overrides else ''}, {how}: "
                          f"metrics in {path}{_left_out(path)}")]
