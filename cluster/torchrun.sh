@@ -21,7 +21,7 @@ fi
 if [ -z "${NPROC:-}" ]; then
   NPROC=$([ "$DEVICE" = cuda ] && $PY -c "import torch; print(torch.cuda.device_count())" || echo 2)
 fi
-exec $PY -m torch.distributed.run --nproc-per-node "$NPROC" \
+exec $PY -m labkit.launch.torchrun --nproc-per-node "$NPROC" \
   --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:0 \
   -m labkit.train --device "$DEVICE" --strategy "${STRATEGY:-ddp}" \
   --steps "${STEPS:-200}" --seed "${SEED:-0}" --metrics "${METRICS:-$LABKIT_ROOT/_build/torchrun/metrics.json}" "$@"

@@ -219,7 +219,7 @@ def test_job_passes_checkpoint_flags_only_where_labkit_can_checkpoint(strategy, 
     env = {**literals, **{e["name"]: e["value"] for e in _container(job).get("env", [])},
            "DEVICE": "cpu", "STRATEGY": strategy}  # cpu: TrainConfig checks the device exists
     out, argv = _stubbed(["bash", "-c", _job_script(job)], tmp_path, **env)
-    assert out.returncode == 0 and argv[:2] == ["-m", "torch.distributed.run"], out.stderr
+    assert out.returncode == 0 and argv[:2] == ["-m", "labkit.launch.torchrun"], out.stderr
     assert f"--nnodes={literals['NNODES']}" in argv
     _check_train_argv(argv, strategy, out.stdout, ckpt=f"/ckpt/{literals['RUN_NAME']}")
 
@@ -443,7 +443,7 @@ def test_torchrun_sh_writes_its_metrics_under_build_not_in_the_checkout_root(tmp
     the repository root."""
     out, argv = _stubbed(["bash", str(ROOT / "cluster" / "torchrun.sh")], tmp_path, DEVICE="cpu",
                          PYTHON=str(tmp_path / "bin" / "python"))
-    assert out.returncode == 0 and argv[:2] == ["-m", "torch.distributed.run"], out.stderr
+    assert out.returncode == 0 and argv[:2] == ["-m", "labkit.launch.torchrun"], out.stderr
     assert argv[argv.index("--metrics") + 1] == str(ROOT / "_build" / "torchrun" / "metrics.json")
 
 

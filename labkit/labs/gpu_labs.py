@@ -104,7 +104,8 @@ def lab_items(s: Setting, labs: list[str], profile: str, out: Path, as_script: b
                 path = run_lab_apart(name, profile, out, overrides, not notebook, s.world if profile == "gpu" else None,
                                      seconds)
             except LabOver as e:
-                cut = "; that was what the check's budget had left" if budget.total and seconds < LAB_S[s.device] else ""
+                short = budget.total and seconds < LAB_S[s.device]
+                cut = "; that was what the check's budget had left" if short else ""
                 return [Item(f"lab {name}", "over", f"{e}{cut}")]
             return [Item(f"lab {name}", "pass", f"{profile} profile{' (trimmed)' if overrides else ''}, {how}: "
                          f"metrics in {path}{_left_out(path)}")]
