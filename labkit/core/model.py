@@ -218,10 +218,9 @@ class GPT(nn.Module):
         logits = self.head(self.ln_f(x))
         loss = None
         if targets is not None:
-            # on fp32 logits, as torchtitan's loss takes them: under FSDP2's bf16 parameters without
-            # autocast the logits are bf16, and a bf16 loss is 1/32 coarse near 5 (autocast's
-            # cross_entropy already runs in fp32, and fp32 logits are unchanged)
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+            # In the logits' dtype: a pure-bf16 model (the fine-tuning lab's QLoRA) keeps a bf16
+            # log-softmax, which its chapter measures; torchtitan casts to fp32 first
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
             if self.config.moe_experts:
                 aux = self.config.moe_aux_weight * sum(b.mlp.aux_loss for b in self.blocks)
                 self.aux_loss = aux.detach()
