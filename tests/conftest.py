@@ -56,12 +56,12 @@ def browser():
         b.close()
 
 
-# `make test` runs two pytest workers (pytest-xdist): a test file is one unit of work, so its module
+# `make test` runs three pytest workers (pytest-xdist): a test file is one unit of work, so its module
 # fixtures are built once; the labs and the book share the executed labs, so they are one unit; and
-# the longest units go first, so that neither worker is left with a long tail. (The scheduler is
+# the longest units go first, so that no worker is left with a long tail. (The scheduler is
 # ours: xdist 3.8's loadgroup renames node ids, which pytest 9 no longer lets it do.)
 UNITS = {"test_labs": "labs", "test_book": "labs", "test_lab_style": "labs", "test_book_claims": "labs"}
-# Longest first, as measured in CI (the rule that packs two workers best: a long unit never starts last).
+# Longest first, as measured in CI (the rule that packs the workers best: a long unit never starts last).
 FIRST = ("labs", "test_assignments", "test_mesh", "test_train", "test_slurm", "test_hub", "test_gpu_check", "test_hub_image", "test_fault_tolerance",
          "test_failures_at_scale",
          "test_sharded", "test_pipeline_parallel", "test_parallel", "test_p2p", "test_cluster_files",

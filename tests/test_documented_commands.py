@@ -51,6 +51,8 @@ RULES: list[tuple[str, str]] = [
     (r"(kubectl|helm) ", "elsewhere: test_cluster_files renders the manifests and values"),
     (r"docker (build|push)", "elsewhere: test_hub_image builds the image's file set as the Dockerfile does"),
     (r"torchrun --[a-z-]+(=\S+)?$", "torchrun-flag"),
+    (r"python -m labkit\.launch\.torchrun \.\.\. -m labkit\.train$",  # the runbook on the Kubernetes job
+     "elsewhere: test_cluster_files runs the job's script, its torchrun line with a stub python"),
     (r"torchrun --nproc-per-node 1 --max-restarts 1$",  # the chapter describing how each replica starts
      "elsewhere: test_failures_at_scale runs labkit.fault_tolerance.elastic_launch, which starts each so"),
     (r"python -m labkit run \S+ --profile gpu", "gpu"),

@@ -6,6 +6,8 @@ from __future__ import annotations
 # straggler found by rank, peer in-memory checkpoints and replicas that train through a lost one, each
 # against a reference. The elastic jobs run as CPU processes over gloo on every profile (re-creating an
 # NCCL group after a peer dies needs an abort torchft wraps: labkit.fault_tolerance.quorum).
+# straggler_ms on CPU: three ranks share two cores, so the others' compute swings by 2-3x; a 50 ms
+# delay was lost in that once (1.49x against find_stragglers' 1.5x), 250 ms stands out of any such swing.
 # stale_s: a worker whose heartbeat is older is taken for dead; min_step_ms: a floor under the elastic
 # step, as a real model's step outlasts a replacement's start-up; bytes_per_param, scenario_params:
 # the checkpoint the goodput model prices per GPU (fp32 master weights and Adam's two moments of Llama 3
@@ -17,11 +19,11 @@ _FAS = dict(seed=0, lr=1e-3, flip_tensor="blocks.0.mlp.fc.weight", flip_index=12
             scenario_params=405e9, bytes_per_param=12, job_restart_min=10.0)
 FAILURES_AT_SCALE: dict[str, dict] = {
     "cpu": dict(_FAS, device="cpu", world_size=3, n_layer=2, n_head=2, n_embd=64, block_size=64, batch_size=12,
-                sdc_steps=10, straggler_steps=10, straggler_ms=50.0, bench_mb=128, bench_repeats=3,
+                sdc_steps=10, straggler_steps=10, straggler_ms=250.0, bench_mb=128, bench_repeats=3,
                 elastic_shape=[2, 2, 64, 64], peer_steps=12, peer_kill_step=4, elastic_policies=["shrink", "cover"],
                 elastic_steps=50, elastic_kill_step=3, min_step_ms=150.0),
     "ci": dict(_FAS, device="cpu", world_size=3, n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=12,
-               sdc_steps=6, straggler_steps=6, straggler_ms=50.0, bench_mb=32, bench_repeats=2,
+               sdc_steps=6, straggler_steps=6, straggler_ms=250.0, bench_mb=32, bench_repeats=2,
                elastic_shape=[2, 2, 64, 32], peer_steps=8, peer_kill_step=3, elastic_policies=["shrink"],
                elastic_steps=36, elastic_kill_step=3, min_step_ms=100.0),
     # GPT-2 small's shape on every GPU of a node for the fingerprint and the straggler (NCCL; on two
