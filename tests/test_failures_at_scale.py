@@ -175,13 +175,12 @@ def test_bad_elastic_inputs_are_one_line(tmp_path):
         run_elastic(cfg, "shrink", {"replica": 5, "step": 1}, tmp_path)
 
 
-def test_schematic_is_what_labkit_draws_and_the_chapter_shows_it(tmp_path):
+def test_schematic_is_what_labkit_draws_and_the_chapter_shows_it():
     from pathlib import Path
 
-    from labkit.labs import schematics_failures
+    from labkit.labs import schematics, schematics_failures
 
     book = Path(__file__).resolve().parent.parent / "book"
-    for path in schematics_failures.write(tmp_path):
-        assert path.read_bytes() == (book / "images" / path.name).read_bytes(), \
-            f"{path.name} drifted; regenerate with `python -m labkit.labs.schematics_failures`"
-        assert f"```{{figure}} images/{path.name}\n:name: fig-" in (book / "failures_at_scale.md").read_text()
+    for name, draw in schematics_failures.FIGURES.items():  # tests/test_schematics.py holds its bytes
+        assert schematics.FIGURES[name] is draw
+        assert f"```{{figure}} images/{name}\n:name: fig-" in (book / "failures_at_scale.md").read_text()

@@ -220,7 +220,8 @@ COMMANDS = {"train": _train, "memory": _memory, "comm_bench": _comm_bench, "lab"
             "gpu_check": _gpu_check, "assignments": _assignments, "hub": _hub}
 
 
-def _every_flag(command: str, capsys, paths, monkeypatch) -> None:
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_flag_takes_or_refuses_each_hostile_value(command, capsys, paths, monkeypatch):
     cmd = COMMANDS[command](monkeypatch)
     assert set(cmd.takes) <= set(cmd.argv), sorted(set(cmd.takes) - set(cmd.argv))  # no table row for a gone flag
     for flag, argv in cmd.argv.items():
@@ -230,34 +231,3 @@ def _every_flag(command: str, capsys, paths, monkeypatch) -> None:
             if taken:
                 cmd.after(flag, value, out)
 
-
-def test_every_train_flag_takes_or_refuses_each_hostile_value(capsys, paths, monkeypatch):
-    _every_flag("train", capsys, paths, monkeypatch)
-
-
-def test_every_memory_flag_takes_or_refuses_each_hostile_value(capsys, paths, monkeypatch):
-    _every_flag("memory", capsys, paths, monkeypatch)
-
-
-def test_every_comm_bench_flag_takes_or_refuses_each_hostile_value(capsys, paths, monkeypatch):
-    _every_flag("comm_bench", capsys, paths, monkeypatch)
-
-
-def test_every_lab_parameter_takes_or_refuses_each_hostile_value(capsys, paths, monkeypatch):
-    _every_flag("lab", capsys, paths, monkeypatch)
-
-
-def test_every_planner_flag_takes_or_refuses_each_hostile_value(capsys, paths, monkeypatch):
-    _every_flag("planner", capsys, paths, monkeypatch)
-
-
-def test_every_gpu_check_flag_takes_or_refuses_each_hostile_value(capsys, paths, monkeypatch):
-    _every_flag("gpu_check", capsys, paths, monkeypatch)
-
-
-def test_every_assignments_flag_takes_or_refuses_each_hostile_value(capsys, paths, monkeypatch):
-    _every_flag("assignments", capsys, paths, monkeypatch)
-
-
-def test_every_hub_flag_takes_or_refuses_each_hostile_value(capsys, paths, monkeypatch):
-    _every_flag("hub", capsys, paths, monkeypatch)

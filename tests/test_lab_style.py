@@ -11,8 +11,6 @@ MAX_CODE_LINE = 90  # characters: wider lines scroll sideways on the rendered pa
 # What a lab prints: a little wider than its code (labkit.labs.columns wraps at 90), never a 500-character
 # line the reader scrolls for (issue 46, item 12).
 MAX_OUTPUT_LINE = 100
-# Labs whose owners are still fitting them to the column, each with what is too wide (none now).
-WIDE_OUTPUT: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("lab", list_labs())
@@ -33,8 +31,7 @@ def _output_lines(lab: str) -> list[str]:
             for line in "".join(out["text"]).splitlines() if len(line) > MAX_OUTPUT_LINE]
 
 
-@pytest.mark.parametrize("lab", [pytest.param(lab, marks=pytest.mark.xfail(reason=WIDE_OUTPUT[lab], strict=False))
-                                 if lab in WIDE_OUTPUT else lab for lab in list_labs()])
+@pytest.mark.parametrize("lab", list_labs())
 def test_every_printed_line_fits_the_page_column(lab, lab_metrics):
     """The executed lab (the ci profile, as the book shows it): no stream output line over the column."""
     assert lab in lab_metrics

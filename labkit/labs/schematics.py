@@ -5,8 +5,7 @@
 * :func:`device_mesh`: 2-D and 3-D meshes and the ranks of each group (4-D: :mod:`labkit.labs.schematics_mesh`).
 * :func:`memory_70b`: the memory chapter's 70B scenario as stacked bars, every number the calculator's.
 * :func:`labkit.labs.collective_figures.collectives`: the seven collectives, before and after.
-:func:`write_all` writes them to ``book/images`` (``python -m labkit.labs.schematics``); a test
-regenerates them and compares byte for byte.
+:func:`write_all` writes them and ``schematics_mesh``'s and ``schematics_failures``' to ``book/images``.
 """
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ from itertools import accumulate, product
 from pathlib import Path
 
 from labkit.labs.collective_figures import collectives
+from labkit.labs.schematics_failures import FIGURES as FAILURES
 from labkit.labs.schematics_mesh import FIGURES as MESH
 from labkit.labs.svg import ALERT, INK, OWNER_FILL, OWNER_STROKE, RANK_FILL, RANK_STROKE, Svg, num
 from labkit.memory.calculator import GB, estimate_memory, model_state_breakdown
@@ -283,7 +283,8 @@ def memory_70b(numbers: dict | None = None) -> str:
 
 
 FIGURES = {"zero_holdings.svg": zero_holdings, "tp_split.svg": tp_split, "pp_schedules.svg": pp_schedules,
-           "device_mesh.svg": device_mesh, "memory_70b.svg": memory_70b, "collectives.svg": collectives, **MESH}
+           "device_mesh.svg": device_mesh, "memory_70b.svg": memory_70b, "collectives.svg": collectives, **MESH,
+           **FAILURES}
 
 
 def write_all(out_dir: str | Path = IMAGES) -> list[Path]:
@@ -296,5 +297,4 @@ def write_all(out_dir: str | Path = IMAGES) -> list[Path]:
 
 
 if __name__ == "__main__":
-    for path in write_all(sys.argv[1] if len(sys.argv) > 1 else IMAGES):
-        print(path)
+    print(*write_all(sys.argv[1] if len(sys.argv) > 1 else IMAGES), sep="\n")

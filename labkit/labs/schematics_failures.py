@@ -4,13 +4,11 @@ Left: where :class:`labkit.fault_tolerance.peer_checkpoint.PeerSnapshot` keeps e
 checkpoint (:func:`~labkit.fault_tolerance.peer_checkpoint.holder`), and where a replaced rank's
 comes back from. Right: the shares of the global batch each replica computes, step by step, while
 one replica is gone, under the two policies of :mod:`labkit.fault_tolerance.elastic`
-(:func:`~labkit.fault_tolerance.elastic.shares_of`). ``python -m labkit.labs.schematics_failures`` writes it
-to ``book/images``; ``tests/test_failures_at_scale.py`` regenerates it and compares byte for byte.
+(:func:`~labkit.fault_tolerance.elastic.shares_of`). :mod:`labkit.labs.schematics` writes it to
+``book/images`` with the book's other schematics (``python -m labkit.labs.schematics``), and
+``tests/test_schematics.py`` regenerates it and compares byte for byte.
 """
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 from labkit.fault_tolerance.elastic import shares_of
 from labkit.fault_tolerance.peer_checkpoint import holder
@@ -75,18 +73,3 @@ def failures_at_scale() -> str:
 
 
 FIGURES = {"failures_at_scale.svg": failures_at_scale}
-IMAGES = Path(__file__).resolve().parents[2] / "book" / "images"
-
-
-def write(out_dir: str | Path = IMAGES) -> list[Path]:
-    """Write the schematic into ``out_dir`` (default ``book/images``); the paths written."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, draw in FIGURES.items():
-        (out / name).write_text(draw(), encoding="utf-8")
-    return [out / name for name in FIGURES]
-
-
-if __name__ == "__main__":
-    for path in write(sys.argv[1] if len(sys.argv) > 1 else IMAGES):
-        print(path)
