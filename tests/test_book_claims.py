@@ -146,7 +146,10 @@ def test_model_parallel_directions_hold_for_the_glued_runs(lab_metrics):
     assert tp["tp_time_ratio"] > 1
     assert 1 < tp["tp_mem_ratio_max"] < tp["tp_degree_max"]  # "it does not fall t-fold"
     assert tp["tp_sp_ring_ratio"] > 1  # "plus two all-gathers ... outside the blocks"
-    assert pp["pp_bubble_m_lo"] < pp["pp_bubble_m_hi"] and pp["pp_bubble_lo"] > pp["pp_bubble_hi"]  # "fell"
+    # "where the formula has fallen to"; "a floor": no direction of the measured bubble is claimed
+    # (52% at 1 microbatch and 57% at 8 seen on busy cores)
+    assert pp["pp_bubble_m_lo"] < pp["pp_bubble_m_hi"] and pp["pp_bubble_formula_hi"] < pp["pp_bubble_lo"]
+    assert pp["pp_bubble_gap"] > 0 and pp["pp_bubble_hi"] > pp["pp_bubble_formula_hi"]
     # "far above its formula"
     assert pp["pp_interleaved_hi"] > 2 * pp["pp_interleaved_formula_hi"]
     assert pp["pp_tp_vs_pp"] > 1
