@@ -90,8 +90,13 @@ def hub(tmp_path_factory):
         prepare_state(state, group=GROUP)
         for role, names in (("instructor", [TEACH]), ("student", [ALICE, BOB])):
             made += names
-            subprocess.run([sys.executable, "-m", "labkit.labs.hub", "add", "--state", str(state), "--role", role,
-                            "--password-stdin", *names], input=PASSWORD + "\n", text=True, check=True, cwd=ROOT)
+            # as the chapter has it: `export HUB_STATE=...`, then `add` with no --state (issue 44, item 4)
+            added = subprocess.run([sys.executable, "-m", "labkit.labs.hub", "add", "--role", role,
+                                    "--password-stdin", *names], input=PASSWORD + "\n", text=True, cwd=ROOT,
+                                   capture_output=True, env={**os.environ, "HUB_STATE": str(state)})
+            assert added.returncode == 0, added.stderr[-2000:]
+            for name in names:  # it says what it did
+                assert f"hub: enrolled {name} as {role} " in added.stdout and f" in {state}" in added.stdout, added.stdout
         for user in (TEACH, BOB):  # the test reads their terminals' screens
             _screen_reader(user)
         port = listen_port()  # not one an outgoing connection can take while the hub installs
@@ -199,11 +204,25 @@ def _lab_open(page, hub, shot: str) -> None:
 
 
 def _terminal(page):
-    """A new terminal, as a person opens one: File, New, Terminal."""
-    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile("^File$")).click()
-    page.locator(".lm-Menu-itemLabel", has_text=re.compile("^New$")).first.hover()
-    page.locator(".lm-Menu-itemLabel", has_text=re.compile("^Terminal$")).first.click()
-    term = page.locator("#jp-main-dock-panel .jp-Terminal:not(.lm-mod-hidden)").last  # the one just opened
+    """A new terminal, as a person opens one: File, New, Terminal. Found by its new id: after a reload
+    JupyterLab restores the earlier terminal too, and "the last one shown" was once that one, never
+    visible again (CI)."""
+    terms = page.locator("#jp-main-dock-panel .jp-Terminal")
+    before = set(terms.evaluate_all("els => els.map(e => e.id)"))
+    new: list[str] = []
+    for _ in range(2):  # a click while the restored layout still loads can be lost: once more
+        page.locator(".lm-MenuBar-itemLabel", has_text=re.compile("^File$")).click()
+        page.locator(".lm-Menu-itemLabel", has_text=re.compile("^New$")).first.hover()
+        page.locator(".lm-Menu-itemLabel", has_text=re.compile("^Terminal$")).first.click()
+        deadline = time.monotonic() + 60
+        while not new and time.monotonic() < deadline:
+            new = [i for i in terms.evaluate_all("els => els.map(e => e.id)") if i and i not in before]
+            time.sleep(0.2)
+        if new:
+            break
+    assert new, f"File > New > Terminal opened no terminal (there were {sorted(before)})"
+    term = page.locator(f"#{new[-1]}")
+    term.wait_for(state="visible")
     term.locator(".xterm-accessibility-tree").wait_for(state="attached")
     deadline = time.monotonic() + 60  # typing before bash's prompt is up loses the first keys
     while "$" not in term.locator(".xterm-accessibility-tree").inner_text() and time.monotonic() < deadline:

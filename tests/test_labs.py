@@ -40,6 +40,17 @@ def test_every_lab_has_profiles_and_a_parameters_cell():
         assert len(params) == 1 and 'PROFILE = "cpu"' in params[0].source, name
 
 
+def test_a_lab_that_went_well_logs_no_kernel_noise(lab_metrics):
+    """Issue 44, item 6: every run printed "Kernel is running over TCP without encryption", and some a
+    stray "KeyboardInterrupt caught in kernel" (the interrupt jupyter_client sends before it shuts an
+    idle kernel down): a newcomer reads either as something gone wrong."""
+    from labkit.labs import OUT_DIR
+
+    for name in lab_metrics:
+        log = (OUT_DIR / f"{name}.run.log").read_text()
+        assert "KeyboardInterrupt" not in log and "without encryption" not in log, (name, log[-2000:])
+
+
 def test_every_lab_reads_every_parameter_of_its_profile(lab_metrics):
     """A parameter a lab never reads is one `-p` would change to no effect (issue 44: `-p
     world_size=3` on composing ran 8 and 16 ranks and recorded 3): each lab's ci run read them all."""

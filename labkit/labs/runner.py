@@ -94,6 +94,12 @@ def _local_socket_manager():
             self.transport, self.ip = "ipc", os.path.join(self._box, "kernel")
             return await super()._async_pre_start_kernel(**kw)
 
+        async def _async_interrupt_kernel(self) -> None:
+            # jupyter_client interrupts before it asks an idle kernel to shut down, and ipykernel
+            # then logs "KeyboardInterrupt caught in kernel" into a run that went well (issue 44)
+            if not self.shutting_down:
+                await super()._async_interrupt_kernel()
+
         async def _async_cleanup_resources(self, restart: bool = False) -> None:
             await super()._async_cleanup_resources(restart=restart)
             if not restart:
