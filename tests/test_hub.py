@@ -153,8 +153,9 @@ def _login(browser, hub, user: str, url: str):
     page = context.new_page()
     page.set_default_timeout(120_000)
     # while the hub restarts its proxy is down, and JupyterLab asks whether to restart the server (it
-    # runs on): the student dismisses that, as anyone would, whenever it comes up
-    page.add_locator_handler(page.locator(".jp-Dialog", has_text="Server unavailable"),
+    # runs on), or says the folder its file browser polls was not found (the proxy's 404, seen in CI):
+    # the student dismisses that, as anyone would, whenever it comes up
+    page.add_locator_handler(page.locator(".jp-Dialog", has_text=re.compile("Server unavailable|Directory not found")),
                              lambda dialog: dialog.get_by_role("button", name="Dismiss").click())
     page.goto(url)
     page.fill("#username_input", user)
