@@ -105,12 +105,17 @@ class Trainer:
         return loss.item() / n
 
 
-def _live_recovery(tr: Trainer, step: int) -> int:
-    """Every member takes rank 0's state and step (replicas hold the same; a joiner holds nothing)."""
+def _live_recovery(tr: Trainer, step: int, holds: bool = True) -> int:
+    """Every member takes the state and step of the lowest rank that ``holds`` them (replicas hold the
+    same; a joiner holds nothing, and may be rank 0: a replaced or left-out replica 0)."""
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32)
+    flags[dist.get_rank()] = int(holds)
+    dist.all_reduce(flags)
+    src = int(flags.nonzero()[0])
     for t in tr.tensors().values():
-        dist.broadcast(t, src=0)
+        dist.broadcast(t, src=src)
     s = torch.tensor([step])
-    dist.broadcast(s, src=0)
+    dist.broadcast(s, src=src)
     return int(s)
 
 
@@ -135,15 +140,17 @@ def _peer_recovery(tr: Trainer, snap: PeerSnapshot, ck, log: dict) -> int:
     return step
 
 
-def _fail(q: Quorum, failure: str, step: int, log: dict) -> None:
-    """A collective failed: drop the group, form the next generation with whoever is left."""
+def _fail(q: Quorum, failure: str, step: int, log: dict) -> bool:
+    """A collective failed: drop the group, form the next generation with whoever is left. False when
+    this worker was left out (its heartbeat looked stale to the others, on starved cores): it then
+    joins as a replacement does, as torchft's replicas do when they miss a quorum."""
     log["events"].append({"event": "failure", "step": step, "time": time.time(), "error": failure})
     q.leave()
     gc.collect()  # nothing may keep the old group's connections open
     members = q.form(q.gen + 1, q.members, everyone=False)  # the lost one has stopped beating
-    if members is None:
-        raise RuntimeError(f"replica {q.replica} was left out after a failure ({failure})")
-    log["events"].append({"event": "regrouped", "members": members, "step": step, "time": time.time()})
+    log["events"].append({"event": "regrouped" if members else "left out", "members": members, "step": step,
+                          "time": time.time()})
+    return members is not None
 
 
 def _grow(q: Quorum, tr: Trainer, snap: PeerSnapshot, ck, step: int, log: dict, joiners: list[int] | None):
@@ -160,7 +167,7 @@ def _grow(q: Quorum, tr: Trainer, snap: PeerSnapshot, ck, step: int, log: dict, 
     if tr.policy != "peer":
         if joiners is None:
             tr.build()
-        return _live_recovery(tr, step), ck
+        return _live_recovery(tr, step, holds=joiners is not None), ck
     ck = Checkpointer(tr.cfg["ckpt_dir"], keep_last=2)  # a collective: its own group, on the new one
     return _peer_recovery(tr, snap, ck, log), ck
 
@@ -220,7 +227,11 @@ def run(cfg: dict, replica: int, port: int, out: str) -> dict:
         if ck is not None:
             _close_quietly(ck)
             ck = None
-        _fail(q, failure, step, log)
+        if replica == cfg.get("stall", {}).get("replica"):
+            q.stall(cfg["stall"]["s"])
+        if not _fail(q, failure, step, log):
+            step, ck = _grow(q, tr, snap, ck, step, log, None)
+            continue
         stepped = False
         if policy != "peer":
             tr.opt.zero_grad(set_to_none=True)

@@ -40,7 +40,9 @@ def _command(cfg_path: Path, replica: int, port: int, out: Path) -> list[str]:
 
 def run_elastic(cfg: dict, policy: str, kill: dict, work_dir: str | os.PathLike, timeout_s: float = 240.0) -> dict:
     """One elastic job: ``cfg["replicas"]`` workers under torchrun, replica ``kill["replica"]``
-    SIGKILLed before step ``kill["step"]``. Returns the logs, final states and the recovery's times."""
+    SIGKILLed before step ``kill["step"]``; ``cfg["stall"] = {"replica": r, "s": t}`` plants a second
+    fault, survivor ``r`` silent for ``t`` seconds when the failure hits. Returns the logs, final
+    states and the recovery's times."""
     one_of("policy", policy, POLICIES, "policies")
     non_negative_int("kill step", kill["step"])
     if not 0 <= kill["replica"] < cfg["replicas"] or kill["step"] >= cfg["steps"]:
@@ -94,15 +96,21 @@ def _wait(procs: list[subprocess.Popen], results: list[Path], deadline: float, w
 
 
 def recovery(logs: list[dict], kill: dict, killed_at: float | None) -> dict:
-    """The survivor's view (the lowest replica never killed): losses and shares per step, and the
-    seconds from the kill to the failure seen, the group re-formed, the replacement started and joined."""
-    witness = next(log for log in logs if log["replica"] != kill["replica"])
+    """The survivor's view (the lowest replica that was neither killed nor left out of the group, so
+    trained every step): losses and shares per step, and the seconds from the kill to the failure
+    seen, the group re-formed, the replacement started and joined."""
+    witness = next(log for log in logs if log["replica"] != kill["replica"]
+                   and not any(e["event"] == "joined" for e in log["events"]))
     joiner = next(log for log in logs if log["replica"] == kill["replica"])
-    ev = {e["event"]: e for e in witness["events"]}
+    ev = {}
+    for e in witness["events"]:  # the first of each; "grown": the growth that let the replacement in
+        if e["event"] != "grown" or kill["replica"] in e["members"]:
+            ev.setdefault(e["event"], e)
     joined = next(e for e in joiner["events"] if e["event"] == "joined")
     out = {"loss": [s["loss"] for s in witness["steps"]], "shares": [s["shares"] for s in witness["steps"]],
            "degraded_steps": sum(len(s["shares"]) < len(logs) for s in witness["steps"]),
-           "rejoined_after_step": ev["grown"]["step"] if "grown" in ev else None}
+           "rejoined_after_step": ev["grown"]["step"] if "grown" in ev else None,
+           "left_out": [log["replica"] for log in logs if any(e["event"] == "left out" for e in log["events"])]}
     if killed_at is not None and "failure" in ev:
         out.update(detect_s=ev["failure"]["time"] - killed_at, regroup_s=ev["regrouped"]["time"] - killed_at,
                    restart_s=joiner["start"] - killed_at, imported_s=joiner["imported"] - killed_at,

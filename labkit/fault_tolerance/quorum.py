@@ -7,7 +7,10 @@ worker beats a heartbeat into the store from a thread of its own; the membership
 expected member has either arrived or gone quiet for ``stale_s`` (a survivor still blocked in the
 dead group's collective keeps beating, and is waited for until its collective times out), with one
 ``compare_set`` (the first writer wins, so all read the same list), and the members call
-``init_process_group`` again over that generation's ``PrefixStore``. A replaced worker (torchrun
+``init_process_group`` again over that generation's ``PrefixStore``. A heartbeat carries its
+process's *incarnation* (a token of its own): torchrun's replacement beats under the same replica
+id within a second of the kill, and without the token it would keep the dead member looking alive
+until the quorum's timeout (seen here: 120 s of two survivors waiting for a member that was dead). A replaced worker (torchrun
 restarts it) announces that it wants to join; at each step boundary the members agree, by one
 broadcast from their rank 0, whether to let it in, and all of them form the next generation
 together. Members keep their order by replica id, so a whole group has the ranks it started with.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import threading
 import time
 
@@ -53,20 +57,33 @@ class Quorum:
         self.collective = datetime.timedelta(seconds=positive_number("collective_s", collective_s))
         self.stale_s = positive_number("stale_s", stale_s)
         self.store = dist.TCPStore(host, port, is_master=False, timeout=self.timeout)
-        self.gen, self.members = -1, []
+        self.gen, self.members, self.incarnations = -1, [], {}
+        self.token = f"{os.getpid()}.{time.time_ns()}"  # this process: a replacement has another
+        self.quiet_until = 0.0
         beat = dist.TCPStore(host, port, is_master=False, timeout=self.timeout)  # its own connection
         threading.Thread(target=self._beat, args=(beat,), daemon=True, name="labkit-heartbeat").start()
 
     def _beat(self, store: dist.TCPStore) -> None:
         while True:  # until the process ends: a dead worker's beat stops with it
-            store.set(f"hb/{self.replica}", repr(time.time()))
+            if time.monotonic() >= self.quiet_until:
+                store.set(f"hb/{self.replica}", f"{time.time()!r} {self.token}")
             time.sleep(self.stale_s / 5)
 
+    def stall(self, seconds: float) -> None:
+        """A planted fault: this worker stops, heartbeat and all, for ``seconds`` (a process the OS did
+        not schedule, a long pause of the host), as a starved survivor's beat once went late."""
+        self.quiet_until = time.monotonic() + positive_number("seconds", seconds)
+        time.sleep(seconds)
+
     def alive(self, replica: int) -> bool:
-        """Whether ``replica`` beat within ``stale_s`` (one host's clock: the workers share it)."""
+        """Whether ``replica`` beat within ``stale_s`` (one host's clock: the workers share it), as
+        the process that was a member of this worker's generation (not a replacement of it)."""
         if not self.store.check([f"hb/{replica}"]):
             return False
-        return time.time() - float(self.store.get(f"hb/{replica}")) < self.stale_s
+        at, token = self.store.get(f"hb/{replica}").decode().split()
+        if token != self.incarnations.get(replica, token):
+            return False
+        return time.time() - float(at) < self.stale_s
 
     @property
     def rank(self) -> int:
@@ -77,7 +94,7 @@ class Quorum:
         a failure, those still beating. Then the membership is closed and the group made. None when
         it closed without this worker."""
         s = self.store
-        s.set(f"g{gen}/in/{self.replica}", "1")
+        s.set(f"g{gen}/in/{self.replica}", self.token)
         deadline = time.monotonic() + self.timeout.total_seconds()
         while not s.check([f"g{gen}/members"]) and time.monotonic() < deadline:
             missing = [r for r in expected if not s.check([f"g{gen}/in/{r}"])]
@@ -89,6 +106,7 @@ class Quorum:
         if self.replica not in members:
             return None
         self.gen, self.members = gen, members
+        self.incarnations = {r: s.get(f"g{gen}/in/{r}").decode() for r in members}
         dist.init_process_group("gloo", store=dist.PrefixStore(f"g{gen}/pg", s), rank=self.rank,
                                 world_size=len(members), timeout=self.collective)
         return members

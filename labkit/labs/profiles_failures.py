@@ -8,14 +8,15 @@ from __future__ import annotations
 # NCCL group after a peer dies needs an abort torchft wraps: labkit.fault_tolerance.quorum).
 # straggler_ms on CPU: three ranks share two cores, so the others' compute swings by 2-3x; a 50 ms
 # delay was lost in that once (1.49x against find_stragglers' 1.5x), 250 ms stands out of any such swing.
-# stale_s: a worker whose heartbeat is older is taken for dead; min_step_ms: a floor under the elastic
+# stale_s: a worker whose heartbeat is older is taken for dead (0.5 s left a survivor out once, its
+# beats late on cores shared by eight processes; a replacement's own beat tells its death at once); min_step_ms: a floor under the elastic
 # step, as a real model's step outlasts a replacement's start-up; bytes_per_param, scenario_params:
 # the checkpoint the goodput model prices per GPU (fp32 master weights and Adam's two moments of Llama 3
 # 405B, over its 16,384 GPUs); job_restart_min: what restarting a whole job costs at scale (an
 # assumption, the fault-tolerance chapter's 10 minutes).
 _FAS = dict(seed=0, lr=1e-3, flip_tensor="blocks.0.mlp.fc.weight", flip_index=1234, flip_bit=30, flip_step=3,
             flip_rank=2, straggler_rank=1, peer_replicas=2, elastic_replicas=3, kill_replica=1, elastic_batch=12,
-            stale_s=0.5, timeout_s=240.0, gpu_counts=[1024, 4096, 16384, 65536, 131072],
+            stale_s=2.0, timeout_s=240.0, gpu_counts=[1024, 4096, 16384, 65536, 131072],
             scenario_params=405e9, bytes_per_param=12, job_restart_min=10.0)
 FAILURES_AT_SCALE: dict[str, dict] = {
     "cpu": dict(_FAS, device="cpu", world_size=3, n_layer=2, n_head=2, n_embd=64, block_size=64, batch_size=12,
