@@ -15,15 +15,19 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from labkit.comm.counter import CommCounter
 from labkit.core.data import get_batch, load_corpus, train_val_split
+from labkit.core.checks import positive_int
 from labkit.core.model import GPT, GPTConfig
 from labkit.core.moe import MoEMLP
 from labkit.core.moe_routing import update_router_biases
+from labkit.parallel.data_parallel import SyncOnRequest
 from labkit.parallel.expert_nodes import on_nodes
 from labkit.parallel.expert_nodes_check import placement_vs_one_process
-from labkit.parallel.expert_parallel import ExpertParallel, ExpertParallelPlacement, record_all_to_all
+from labkit.parallel.expert_parallel import ExpertParallelPlacement, place_experts, record_all_to_all
+from labkit.parallel.mesh import Degrees, ParallelDims
 
 PATCHED = "moe_experts" in {f.name for f in fields(GPTConfig)}
 
@@ -57,6 +61,73 @@ else:
             return [b.mlp.stats for b in self.blocks]
 
 
+class HandSyncedEP(SyncOnRequest):
+    """labkit's one expert placement (:func:`place_experts`) over ``ep`` ranks, the rest of the model
+    data parallel with its gradients reduced by hand, not by FSDP2 as on labkit's mesh: the placement
+    and its all-to-alls held against one process alone. Call :meth:`finish_gradient_sync` after
+    backward."""
+
+    def __init__(self, module: nn.Module, ep: int, a2a=None, make=ExpertParallelPlacement) -> None:
+        super().__init__(module)
+        positive_int("ep", ep)
+        world = dist.get_world_size()
+        if world % ep:
+            raise ValueError(f"ep={ep} must divide the world size {world}")
+        self.dims = ParallelDims(Degrees(dp_replicate=world // ep, dp_shard=ep, ep=ep))
+        self.expert_params = place_experts(module, self.dims, a2a, make)
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if id(p) in self.expert_params]
+
+    def finish_gradient_sync(self) -> None:
+        """Every gradient becomes (sum over the ranks' contributions) / world: non-expert ones summed
+        over all ranks, expert ones over their replica group (see the module's docstring)."""
+        world = dist.get_world_size()
+        shared = [p for p in self.module.parameters() if id(p) not in self.expert_params]
+        _reduce_grads(shared, None, world)
+        replicas = self.dims.group("dp_replicate")
+        _reduce_grads(self.expert_parameters(), replicas, world, skip=replicas is None)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """One process's state dict, on every rank (a collective over the EP group): this rank's
+        entries plus the experts its group's other ranks hold, on the CPU."""
+        mine = {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+        if self.dims.degrees.ep == 1:
+            return mine
+        parts: list = [None] * self.dims.degrees.ep
+        dist.all_gather_object(parts, {k: v for k, v in mine.items() if ".experts." in k}, group=self.dims.group("ep"))
+        for part in parts:
+            mine.update(part)
+        return mine
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load one process's state dict: each rank takes its own experts and the shared entries."""
+        own = self.module.state_dict().keys()
+        self.module.load_state_dict({k: v for k, v in state.items() if k in own})
+
+    def groups_of(self, p: torch.Tensor) -> tuple:
+        """For :func:`labkit.parallel.clipping.clip_grad_norm_`: expert gradients are split over the
+        EP group (each counted once there); the rest are replicated."""
+        return (self.dims.group("ep"),) if id(p) in self.expert_params else ()
+
+
+def _reduce_grads(params: list[nn.Parameter], group, world: int, skip: bool = False) -> None:
+    """Sum ``params``' gradients over ``group`` in one flat all-reduce, then divide by ``world``."""
+    for p in params:
+        if p.grad is None:  # an expert no token reached on any rank of its group
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    if not grads:
+        return
+    if not skip:
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
+    for g in grads:
+        g.div_(world)
+
+
 def build(cfg: MoEConfig, seed: int = 0) -> MoEGPT:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -82,7 +153,7 @@ def train_moe(cfg: MoEConfig, steps: int, batch: int, lr: float = 1e-3, ep: int 
                 warnings.simplefilter("ignore", FutureWarning)
                 return dnn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     make = on_nodes(per_node) if per_node else ExpertParallelPlacement  # two hops across "nodes"
-    net = ExpertParallel(model, ep, fn, make) if ep else model
+    net = HandSyncedEP(model, ep, fn, make) if ep else model
     opt = torch.optim.AdamW(net.parameters(), lr=lr)
     out = {"loss": [], "stats": [], "a2a": [], "counter": []}
     for step in range(steps):

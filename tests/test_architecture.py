@@ -141,8 +141,22 @@ def test_the_training_package_is_a_dag_even_for_type_only_imports():
         visit(m, [])
 
 
-def test_no_plan_branches_on_a_strategy_name():
+def test_no_setup_branches_on_a_strategy_name():
     for path in [*(LABKIT / "train").glob("*.py"), *(LABKIT / "parallel").glob("*.py")]:
         code = path.read_text()
         assert not re.search(r"(spec|strategy|self\.spec)\.name\s*(==|!=|in)", code), path.name
         assert not re.search(r"cfg\.strategy\s*(==|!=|in)", code), path.name
+
+
+def test_one_layout_record_one_step_one_expert_parallelism():
+    """Issue 47: one class named ``Plan`` (the planner's layout; the loop's is a ``Setup``), one
+    ``train_step`` (the loop's; DeepSpeed's engine has its ``engine_step``), and expert parallelism
+    placed by one implementation (``place_experts``, which the mesh and the tests' reference share)."""
+    defined: dict[str, list[str]] = {}
+    for path in LABKIT.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+                defined.setdefault(node.name, []).append(str(path.relative_to(LABKIT)))
+    assert defined["Plan"] == ["planning/plan.py"]
+    assert defined["train_step"] == ["train/loop.py"]
+    assert defined["place_experts"] == ["parallel/expert_parallel.py"] and "ExpertParallel" not in defined

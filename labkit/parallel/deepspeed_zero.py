@@ -115,7 +115,7 @@ def init_distributed(device: torch.device) -> None:
             f"({type(e).__name__}: {e})") from None
 
 
-def train_step(engine: DeepSpeedEngine, micros: list,
+def engine_step(engine: DeepSpeedEngine, micros: list,
                after_first_backward: Callable[[DeepSpeedEngine], None] | None = None) -> torch.Tensor:
     """One optimizer step over ``micros`` (input, target) micro-batches: DeepSpeed accumulates and
     steps at the boundary itself. Returns the mean loss. ``after_first_backward(engine)`` runs between

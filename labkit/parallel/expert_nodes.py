@@ -96,9 +96,9 @@ class NodeLimitedPlacement(ExpertParallelPlacement):
 
 
 def on_nodes(per_node: int):
-    """A placement factory for :func:`~labkit.parallel.expert_parallel.place_experts` (and
-    :class:`~labkit.parallel.expert_parallel.ExpertParallel`'s ``make``): two hops, ``per_node`` ranks
-    a node; the rail and node groups are built once per mesh, by the first block, on every rank."""
+    """A placement factory for :func:`~labkit.parallel.expert_parallel.place_experts`'s ``make``: two
+    hops, ``per_node`` ranks a node; the rail and node groups are built once per mesh, by the first
+    block, on every rank."""
     built: dict[int, tuple] = {}
 
     def make(dims: ParallelDims, n_experts: int, a2a=None) -> NodeLimitedPlacement:

@@ -2,11 +2,11 @@
 outputs brought back with all-to-all (GShard, Lepikhin et al. 2020, section 3; Switch Transformer,
 Fedus et al. 2021, section 2.2), the rest of the model data parallel.
 
-Layout. ``world = dp x ep`` ranks; consecutive ranks ``[g*ep, (g+1)*ep)`` form expert-parallel group
-g, which holds one copy of all E experts, ``E/ep`` per rank (rank i of a group holds experts
-``[i*E/ep, (i+1)*E/ep)``). Ranks at the same place in every group hold the same experts: a *replica*
-group of ``dp`` ranks. Every rank reads its own rows of the global batch (shard = global rank), as
-plain data parallelism does.
+Layout. The EP ranks are carved out of the ranks that shard the weights (torchtitan's
+``ParallelDims``: ``dp_shard = dp_shard_mod_ep x ep``, :mod:`labkit.parallel.degrees`). Each EP
+group holds one copy of all E experts, ``E/ep`` per rank (its i-th rank holds experts
+``[i*E/ep, (i+1)*E/ep)``); ranks at the same place of every group hold the same experts. Every rank
+reads its own rows of the global batch, as plain data parallelism does.
 
 One MoE block, forward: route locally; all-reduce the routing table over *all* ranks (capacity and
 drop order are those of the global batch, :mod:`labkit.core.moe`); exchange the split sizes (an
@@ -14,13 +14,15 @@ all-to-all of E counts); all-to-all the kept rows to the ranks of their experts 
 local experts; all-to-all the outputs back (combine). Backward: the two all-to-alls run in reverse
 (:class:`AllToAll`, whose backward is the all-to-all with the split sizes swapped).
 
-Gradients (:meth:`ExpertParallel.finish_gradient_sync`). Each rank's loss is the mean over its own
-tokens; one process's loss is their mean over the ``world`` ranks, so every gradient must become
-``(sum of all ranks' contributions) / world``. A non-expert parameter's gradient on a rank holds
-that rank's contribution: all-reduce (sum) over all ranks, divide by ``world``. An expert's gradient
-already sums the contributions of every rank of its EP group (their tokens' gradients came back to it
-through the all-to-all): all-reduce over its replica group (none when ``dp = 1``), divide by
-``world``. The auxiliary loss needs nothing more (see ``MoEMLP._aux``).
+Gradients. Each rank's loss is the mean over its own tokens; one process's loss is their mean over
+the data ranks, so every gradient must become (sum of all ranks' contributions) / ranks. A
+non-expert parameter's gradient on a rank holds that rank's contribution, and FSDP2's reduce-scatter
+averages it over the sharding ranks. An expert's gradient already sums the contributions of every rank
+of its EP group (their tokens' gradients came back to it through the all-to-all), so FSDP2 averages
+it over the ranks that hold the same experts only, and what is left is a division by the token
+ranks that average did not count (:mod:`labkit.parallel.compose`,
+:meth:`labkit.parallel.placed.Placed.finish_gradients`). The auxiliary loss needs nothing more (see
+``MoEMLP._aux``).
 """
 from __future__ import annotations
 
@@ -31,14 +33,11 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from labkit.comm.all_to_all import all_to_all_split
-from labkit.core.checks import positive_int
 from labkit.core.moe import MoEMLP, Placement
 from labkit.core.moe_grouped import run_experts
-from labkit.parallel.data_parallel import SyncOnRequest
-from labkit.parallel.mesh import Degrees, ParallelDims
+from labkit.parallel.mesh import ParallelDims
 
 _RECORDS: list[dict] = []  # open record_all_to_all() logs
 
@@ -155,72 +154,6 @@ def place_experts(module: nn.Module, dims: ParallelDims, a2a=None, make=ExpertPa
             if not place.first <= e < place.first + place.local:
                 del block.experts[str(e)]
     return {id(p) for b in moe_blocks(module) for p in b.experts.parameters()}
-
-
-class ExpertParallel(SyncOnRequest):
-    """Wrap a GPT with MoE blocks for expert parallelism over ``ep`` ranks, data parallel over the
-    rest, with the gradients synchronised by hand (the training loop's ``ep`` strategy uses FSDP2 for
-    that instead): call :meth:`finish_gradient_sync` after backward."""
-
-    def __init__(self, module: nn.Module, ep: int, a2a=None, make=ExpertParallelPlacement) -> None:
-        super().__init__(module)
-        positive_int("ep", ep)
-        world = dist.get_world_size()
-        if world % ep:
-            raise ValueError(f"ep={ep} must divide the world size {world}")
-        self.dims = ParallelDims(Degrees(dp_replicate=world // ep, dp_shard=ep, ep=ep))
-        self.expert_params = place_experts(module, self.dims, a2a, make)
-
-    def expert_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.module.parameters() if id(p) in self.expert_params]
-
-    def finish_gradient_sync(self) -> None:
-        """Every gradient becomes (sum over the ranks' contributions) / world: non-expert ones summed
-        over all ranks, expert ones over their replica group (see the module's docstring)."""
-        world = dist.get_world_size()
-        shared = [p for p in self.module.parameters() if id(p) not in self.expert_params]
-        _reduce_grads(shared, None, world)
-        replicas = self.dims.group("dp_replicate")
-        _reduce_grads(self.expert_parameters(), replicas, world, skip=replicas is None)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """One process's state dict, on every rank (a collective over the EP group): this rank's
-        entries plus the experts its group's other ranks hold, on the CPU."""
-        mine = {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
-        if self.dims.degrees.ep == 1:
-            return mine
-        parts: list = [None] * self.dims.degrees.ep
-        dist.all_gather_object(parts, {k: v for k, v in mine.items() if ".experts." in k}, group=self.dims.group("ep"))
-        for part in parts:
-            mine.update(part)
-        return mine
-
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load one process's state dict: each rank takes its own experts and the shared entries."""
-        own = self.module.state_dict().keys()
-        self.module.load_state_dict({k: v for k, v in state.items() if k in own})
-
-    def groups_of(self, p: torch.Tensor) -> tuple:
-        """For :func:`labkit.parallel.clipping.clip_grad_norm_`: expert gradients are split over the
-        EP group (each counted once there); the rest are replicated."""
-        return (self.dims.group("ep"),) if id(p) in self.expert_params else ()
-
-
-def _reduce_grads(params: list[nn.Parameter], group, world: int, skip: bool = False) -> None:
-    """Sum ``params``' gradients over ``group`` in one flat all-reduce, then divide by ``world``."""
-    for p in params:
-        if p.grad is None:  # an expert no token reached on any rank of its group
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    if not grads:
-        return
-    if not skip:
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
-        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(reduced)
-    for g in grads:
-        g.div_(world)
 
 
 def all_to_all_bytes(sent: Sequence[Sequence[int]], hidden: int, bytes_per_element: int) -> list[int]:

@@ -67,10 +67,7 @@ def train_args(plan, shape: ModelShape) -> list[str]:
         name = {3: "zero3" if plan.offload else "fsdp", 2: "zero2", 1: "zero1"}.get(plan.zero, "ddp")
         args = ["--strategy", name] + (["--offload-optimizer"] if plan.offload else [])
     else:
-        d = degrees(plan)
-        args = ["--strategy", "mesh"] + [x for dim in ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
-                                          if getattr(d, dim) > 1 or dim == "dp_shard"
-                                          for x in ("--" + dim.replace("_", "-"), str(getattr(d, dim)))]
+        args = ["--strategy", "mesh"] + degrees(plan).flags()  # a degree left out is 1, dp_shard the rest
         if plan.tp > 1 and plan.sequence_parallel:
             args.append("--sequence-parallel")
     args += ["--batch-size", str(plan.global_batch)]

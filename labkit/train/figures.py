@@ -19,7 +19,7 @@ from labkit.parallel.pipeline_timeline import Event, bubble_formula, bubble_frac
 
 if TYPE_CHECKING:
     from labkit.parallel.pipeline_runner import Pipeline
-    from labkit.train.plans import Plan
+    from labkit.train.setup import Setup
 
 
 def _fp32_adamw_states(n: float) -> dict[str, int]:
@@ -27,20 +27,20 @@ def _fp32_adamw_states(n: float) -> dict[str, int]:
     return {"params": round(4 * n), "grads": round(4 * n), "optimizer": round(8 * n), "grad_accum": 0}
 
 
-def predicted_model_states(plan: Plan) -> dict[str, int]:
+def predicted_model_states(setup: Setup) -> dict[str, int]:
     """What this rank should hold: DeepSpeed's partitions with their fp32 master copy; otherwise fp32
     AdamW on its parameters, sharded over the dense shard group (the ZeRO paper's 1/N)."""
     from labkit.core.model import GPT
 
-    d, spec, n_params = plan.dims.degrees, plan.spec, GPT.count_params(plan.model_cfg)
+    d, spec, n_params = setup.dims.degrees, setup.spec, GPT.count_params(setup.model_cfg)
     if spec.deepspeed:
-        return asdict(model_state_breakdown(n_params, plan.dims.world, spec.zero_stage, "fp32_master"))
+        return asdict(model_state_breakdown(n_params, setup.dims.world, spec.zero_stage, "fp32_master"))
     if spec.dp_impl != "fsdp":  # replicated, or the hand-written ZeRO-1's optimizer slice
-        return asdict(model_state_breakdown(n_params, plan.dims.world, spec.zero_stage, "fp32"))
+        return asdict(model_state_breakdown(n_params, setup.dims.world, spec.zero_stage, "fp32"))
     from labkit.parallel.sizes import params_on_rank
 
-    dense, experts = params_on_rank(plan.model_cfg, d, plan.dims.coords["pp"],
-                                    plan.cfg.pp_schedule if plan.pipelined else None)
+    dense, experts = params_on_rank(setup.model_cfg, d, setup.dims.coords["pp"],
+                                    setup.cfg.pp_schedule if setup.pipelined else None)
     return _fp32_adamw_states(dense / d.shard + experts / d.dp_shard_mod_ep)
 
 
@@ -57,8 +57,8 @@ def pipeline_rank_figures(pipeline: Pipeline, peaks: list[int]) -> dict[str, Any
             "events": [[e.__dict__ for e in st] for st in pipeline.timeline.steps]}
 
 
-def _pipeline_fields(plan: Plan, ranks: list[dict]) -> dict[str, Any]:
-    cfg, d = plan.cfg, plan.dims.degrees
+def _pipeline_fields(setup: Setup, ranks: list[dict]) -> dict[str, Any]:
+    cfg, d = setup.cfg, setup.dims.degrees
     steps = len(ranks[0]["events"])
     steps_events = [[Event(**e) for r in ranks if _same_pipeline(r, ranks[0]) for e in r["events"][i]]
                     for i in range(steps)]
@@ -67,11 +67,11 @@ def _pipeline_fields(plan: Plan, ranks: list[dict]) -> dict[str, Any]:
         del r["events"]
     split = cfg.pp_split
     virtual, n_stages = split.v, split.n_stages(d.pp)
-    stage_params = [sum(pipe.stage_params(plan.model_cfg, n_stages, i, split.first_less, split.last_less)
+    stage_params = [sum(pipe.stage_params(setup.model_cfg, n_stages, i, split.first_less, split.last_less)
                         for i in split.indices(r, d.pp)) for r in range(d.pp)]
     return {"pp": d.pp, "microbatches": cfg.microbatches, "pp_schedule": cfg.pp_schedule,
-            "impl": plan.spec.pp_impl or "torch", "virtual_stages": virtual,
-            "stage_layers": split.bounds(plan.model_cfg.n_layer, d.pp),
+            "impl": setup.spec.pp_impl or "torch", "virtual_stages": virtual,
+            "stage_layers": split.bounds(setup.model_cfg.n_layer, d.pp),
             "bubble_fraction": statistics.median(per_step[1:] or per_step) if per_step else None,
             "bubble_fraction_per_step": per_step, "bubble_formula": (None if cfg.pp_schedule in pipe.ZERO_BUBBLE  # no closed form: measured
                                                       else bubble_formula(d.pp, cfg.microbatches, virtual)),
@@ -84,20 +84,20 @@ def _same_pipeline(r: dict, first: dict) -> bool:
     return all(r["coords"][k] == first["coords"][k] for k in r["coords"] if k != "pp")
 
 
-def layout_fields(plan: Plan, ranks: list[dict]) -> dict[str, Any]:
+def layout_fields(setup: Setup, ranks: list[dict]) -> dict[str, Any]:
     """The run's layout and, for each dimension the strategy uses, its formula (module docstring)."""
     from labkit.core.model import GPT
     from labkit.parallel import tensor_parallel as tpar
     from labkit.parallel.cp_layout import cp_comm_bytes
 
-    cfg, m, dims = plan.cfg, plan.model_cfg, plan.dims
-    d, named = dims.degrees, {dim for dim, _ in plan.spec.degrees}
+    cfg, m, dims = setup.cfg, setup.model_cfg, setup.dims
+    d, named = dims.degrees, {dim for dim, _ in setup.spec.degrees}
     n_params = GPT.count_params(m)
     out: dict[str, Any] = {"degrees": asdict(d), "layout": d.label(),
-                           "predicted_model_state_bytes": predicted_model_states(plan)}
+                           "predicted_model_state_bytes": predicted_model_states(setup)}
     rows = cfg.batch_size // dims.data_world
     if "tp" in named:
-        out.update(tp=d.tp, dp=dims.data_world, impl=plan.spec.tp_impl, sequence_parallel=cfg.sequence_parallel,
+        out.update(tp=d.tp, dp=dims.data_world, impl=setup.spec.tp_impl, sequence_parallel=cfg.sequence_parallel,
                    comm_formula_bytes_per_step=m.n_layer * tpar.comm_bytes_per_layer(
                        rows, m.block_size // d.cp, m.n_embd, 4 if cfg.precision == "fp32" else 2))
     if "cp" in named:
@@ -108,10 +108,10 @@ def layout_fields(plan: Plan, ranks: list[dict]) -> dict[str, Any]:
             * per_call["forward"])
     if "ep" in named:
         out.update(ep=d.ep, dp=dims.world // d.ep)
-    if "dp_replicate" in named and plan.spec.dp_impl == "fsdp":
+    if "dp_replicate" in named and setup.spec.dp_impl == "fsdp":
         psi = 4 * n_params
         out.update(replicas=d.dp_replicate, shard_group=d.shard,
                    comm_formula=hsdp_formula(psi, dims.world, dims.world // d.shard))
-    if plan.placed.pipeline is not None:
-        out.update(_pipeline_fields(plan, ranks))
+    if setup.placed.pipeline is not None:
+        out.update(_pipeline_fields(setup, ranks))
     return out

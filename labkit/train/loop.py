@@ -8,8 +8,8 @@ From a shell, the same loop (:mod:`labkit.train.cli`)::
     torchrun --nproc-per-node 8 -m labkit.train --tp 2 --pp 2 --dp-shard 2 --steps 20
 
 The loop lays the run out on one device mesh (:class:`labkit.parallel.mesh.ParallelDims`), builds
-the plain GPT, seeds every rank, asks the strategy's plan to place the model
-(:mod:`labkit.train.plans`), reads each step's batch (a pure function of seed and step), and runs
+the plain GPT, seeds every rank, asks the strategy's setup to place the model
+(:mod:`labkit.train.setup`), reads each step's batch (a pure function of seed and step), and runs
 :func:`train_step`: forward, backward and accumulation, the gradients finished, clipping, the
 update, read top to bottom below. It keeps the loss of the global batch (:func:`global_loss`),
 saves and resumes; a :class:`labkit.train.probe.Probe` times and counts every step from outside.
@@ -36,9 +36,9 @@ from labkit.parallel.mesh import Degrees, ParallelDims
 from labkit.parallel.pipeline_parallel import V_SHAPED
 from labkit.train import instruments
 from labkit.train.config import TrainConfig, degrees_for
-from labkit.train.deepspeed_plan import DeepSpeedPlan
+from labkit.train.deepspeed_setup import DeepSpeedSetup
 from labkit.train.lr_schedule import lr_scheduler
-from labkit.train.plans import Plan, check_run
+from labkit.train.setup import Setup, check_run
 from labkit.train.probe import Probe
 from labkit.train.resumable import Resumable
 from labkit.train.strategies import STRATEGIES, strategy
@@ -47,7 +47,7 @@ AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def check_ahead(cfg: TrainConfig, model_cfg: GPTConfig, world: int) -> Degrees:
-    """The layout ``cfg`` gives ``world`` ranks, every check the plan makes passed: arithmetic on the
+    """The layout ``cfg`` gives ``world`` ranks, every check the setup makes passed: arithmetic on the
     configs, no process group, so that a combination labkit cannot train is refused in one line before
     any rank starts (and each rank, under torchrun, refuses it again before its first collective)."""
     spec = strategy(cfg.strategy)
@@ -68,8 +68,8 @@ def check_ahead(cfg: TrainConfig, model_cfg: GPTConfig, world: int) -> Degrees:
     return degrees
 
 
-def make_plan(cfg: TrainConfig, model_cfg: GPTConfig) -> Plan:
-    """The strategy's plan for this rank on its mesh, every check passed before any collective but the
+def make_setup(cfg: TrainConfig, model_cfg: GPTConfig) -> Setup:
+    """The strategy's setup for this rank on its mesh, every check passed before any collective but the
     mesh's own."""
     spec = strategy(cfg.strategy)
     _, world = rank_and_world()
@@ -77,14 +77,14 @@ def make_plan(cfg: TrainConfig, model_cfg: GPTConfig) -> Plan:
         raise ValueError(f"strategy={spec.name!r} needs a process group: run it under labkit.launch.launch or "
                          "torchrun (python -m labkit.train starts a one-rank group by itself)")
     dims = ParallelDims(check_ahead(cfg, model_cfg, world), cfg.device)
-    return (DeepSpeedPlan if spec.deepspeed else Plan)(cfg, spec, model_cfg, current_device(cfg.device), dims)
+    return (DeepSpeedSetup if spec.deepspeed else Setup)(cfg, spec, model_cfg, current_device(cfg.device), dims)
 
 
-def train_step(plan: Plan, x: torch.Tensor, y: torch.Tensor, probe: Probe) -> torch.Tensor:
+def train_step(setup: Setup, x: torch.Tensor, y: torch.Tensor, probe: Probe) -> torch.Tensor:
     """One optimizer step on this rank's rows of the global batch; returns this rank's mean loss."""
-    cfg, placed, scaler, device = plan.cfg, plan.placed, plan.scaler, plan.device
-    if plan.engine is not None:  # DeepSpeed's engine owns backward, clipping and the update
-        return plan.engine_step(x, y, probe.after_backward)
+    cfg, placed, scaler, device = setup.cfg, setup.placed, setup.scaler, setup.device
+    if setup.engine is not None:  # DeepSpeed's engine owns backward, clipping and the update
+        return setup.engine_step(x, y, probe.after_backward)
     dtype = AUTOCAST.get(cfg.precision)
     autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
     x, y = placed.shard_batch(x, y)  # under context parallelism: this rank's chunks of each row
@@ -104,30 +104,30 @@ def train_step(plan: Plan, x: torch.Tensor, y: torch.Tensor, probe: Probe) -> to
     probe.mark()
     placed.finish_gradients()  # synchronised by hand, Partial DTensors reduced, tied copies summed
     if scaler:
-        scaler.unscale_(plan.optimizer)  # clip the true gradients, not the scaled ones
-    if cfg.grad_clip and not getattr(plan.optimizer, "clips_gradients", False):
+        scaler.unscale_(setup.optimizer)  # clip the true gradients, not the scaled ones
+    if cfg.grad_clip and not getattr(setup.optimizer, "clips_gradients", False):
         clip_grad_norm_(placed.params, cfg.grad_clip, placed.norm_groups, skip=placed.norm_skip)
     if scaler:
-        scaler.step(plan.optimizer)
+        scaler.step(setup.optimizer)
         scaler.update()
     else:
-        plan.optimizer.step()
-    if plan.scheduler is not None:  # a constant learning rate has none
-        plan.scheduler.step()
-    if plan.model_cfg.moe_bias_rate:  # DeepSeek-V3's balancing: the routing biases move after the step
+        setup.optimizer.step()
+    if setup.scheduler is not None:  # a constant learning rate has none
+        setup.scheduler.step()
+    if setup.model_cfg.moe_bias_rate:  # DeepSeek-V3's balancing: the routing biases move after the step
         update_router_biases(placed.module)
     return loss
 
 
-def global_loss(plan: Plan, local: torch.Tensor) -> torch.Tensor:
+def global_loss(setup: Setup, local: torch.Tensor) -> torch.Tensor:
     """The global batch's mean loss: every token rank holds as many tokens, so the mean of their losses;
     a pipeline's last stage has it, and sends it to the others."""
-    dims, loss = plan.dims, local.clone()
+    dims, loss = setup.dims, local.clone()
     if dims.tokens_group is not None:
         dist.all_reduce(loss, group=dims.tokens_group)
         loss /= dims.degrees.tokens
     if dims.degrees.pp > 1:  # the last stage's rank: the last, or in a V-shaped schedule the first
-        last = 0 if plan.cfg.pp_schedule in V_SHAPED else dims.degrees.pp - 1
+        last = 0 if setup.cfg.pp_schedule in V_SHAPED else dims.degrees.pp - 1
         dist.broadcast(loss, src=dims.pp_peer(last), group=dims.group("pp"))
     return loss
 
@@ -135,8 +135,8 @@ def global_loss(plan: Plan, local: torch.Tensor) -> torch.Tensor:
 def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | None = None) -> dict:
     """Train on this process's rank (or alone); return losses, timings and per-rank figures."""
     model_cfg = model_cfg or GPTConfig()
-    plan = make_plan(cfg, model_cfg)
-    dims, device = plan.dims, plan.device
+    setup = make_setup(cfg, model_cfg)
+    dims, device = setup.dims, setup.device
     rank, world = dims.rank, dims.world
     raw = load_corpus(corpus)
     data = train_val_split(raw).train
@@ -151,11 +151,11 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     model = build_model(model_cfg, seed=cfg.seed).to(device)
     # Psi, before any strategy shards the parameters in place
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    plan.place(model)
-    optimizer = plan.make_optimizer()
-    plan.attach(optimizer, lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, cfg.steps), plan.make_scaler())
+    setup.place(model)
+    optimizer = setup.make_optimizer()
+    setup.attach(optimizer, lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, cfg.steps), setup.make_scaler())
     meta = {"strategy": cfg.strategy, "world_size": world, "seed": cfg.seed, "batch_size": cfg.batch_size,
-            "model": model_cfg.to_dict(), "reshardable": plan.spec.reshardable, "layout": dims.degrees.label(),
+            "model": model_cfg.to_dict(), "reshardable": setup.spec.reshardable, "layout": dims.degrees.label(),
             "precision": cfg.precision, "lr_schedule": cfg.lr_schedule, "lr": cfg.lr,
             # the rest of what shapes the trajectory: a resume refuses or applies (and notes) each change
             "weight_decay": cfg.weight_decay, "grad_clip": cfg.grad_clip, "warmup_steps": cfg.warmup_steps,
@@ -164,13 +164,13 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
         from labkit.fault_tolerance.changes import corpus_record
 
         meta["corpus"] = corpus_record(corpus, raw)
-    engine = plan.engine
+    engine = setup.engine
     show = cfg.progress if cfg.progress is not None else progress.wanted(cfg.steps)  # before the lock is taken
-    ft = Resumable(cfg, meta, None if engine else plan.module, None if engine else plan.optimizer,
-                   None if engine else plan.scheduler, engine, plan.scaler, plan.placed.state_aliases)
+    ft = Resumable(cfg, meta, None if engine else setup.module, None if engine else setup.optimizer,
+                   None if engine else setup.scheduler, engine, setup.scaler, setup.placed.state_aliases)
     start, losses = ft.start()
     bar = progress.bar(cfg.steps, f"{cfg.strategy} x{world}", show and rank == 0, initial=start)
-    probe = Probe(plan, cfg.steps)
+    probe = Probe(setup, cfg.steps)
     try:
         with instruments.StepProfiler(cfg, device, rank) as profiler:
             for step in range(start, cfg.steps):
@@ -179,12 +179,12 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
                 with profiler.step(step), probe.step(step):
                     if cfg.input_delay_ms:  # a loader that cannot keep up: the step waits for its batch
                         time.sleep(cfg.input_delay_ms / 1e3)
-                    local = train_step(plan, x, y, probe)
+                    local = train_step(setup, x, y, probe)
                 profiler.after(step)
-                mine, global_ = torch.stack([local, global_loss(plan, local)]).tolist()  # one sync
+                mine, global_ = torch.stack([local, global_loss(setup, local)]).tolist()  # one sync
                 probe.after_update(mine)  # model states before the gradients are freed
                 if engine is None:
-                    plan.optimizer.zero_grad(set_to_none=True)
+                    setup.optimizer.zero_grad(set_to_none=True)
                 losses.append(global_)
                 bar.update()
                 bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
@@ -207,7 +207,7 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
         **probe.result_fields(ranks),
     }
     if cfg.return_params:  # sharded parameters are gathered (a collective: every rank calls it)
-        result["params"] = plan.full_state_dict()
+        result["params"] = setup.full_state_dict()
     return result
 
 

@@ -27,7 +27,7 @@ from labkit.train import instruments
 from labkit.train.figures import layout_fields, pipeline_rank_figures, predicted_model_states
 
 if TYPE_CHECKING:
-    from labkit.train.plans import Plan
+    from labkit.train.setup import Setup
 
 
 def _routing(module: torch.nn.Module) -> list[dict] | None:
@@ -56,12 +56,12 @@ def counted(per_step: list) -> list:
 class Probe:
     """Per-step records of one rank's run (see the module docstring)."""
 
-    def __init__(self, plan: Plan, steps: int) -> None:
-        self.plan, self.cfg, self.device, self.steps = plan, plan.cfg, plan.device, steps
+    def __init__(self, setup: Setup, steps: int) -> None:
+        self.setup, self.cfg, self.device, self.steps = setup, setup.cfg, setup.device, steps
         mode = self.cfg.count_comm
         self.mode = mode if mode != "auto" else ("last" if self.device.type == "cuda" else "every")
         self._counted = counted_steps(mode, self.device, steps)
-        self.dims_of = plan.dims.dim_of_groups()
+        self.dims_of = setup.dims.dim_of_groups()
         self.counter: CommCounter | None = None
         self.fwd_bwd: dict[str, int] | None = None
         self.fwd_bwd_ops: dict[str, int] | None = None
@@ -77,11 +77,11 @@ class Probe:
     @contextmanager
     def step(self, step: int) -> Iterator[None]:
         """Time (and, when due, count) one step, the device synchronised at both ends."""
-        placed, counted = self.plan.placed, self.counted(step)
+        placed, counted = self.setup.placed, self.counted(step)
         pipeline = placed.pipeline
         if pipeline is not None:
-            if self.plan.dims.group("pp") is not None:
-                dist.barrier(group=self.plan.dims.group("pp"))  # the common start of the step's timeline
+            if self.setup.dims.group("pp") is not None:
+                dist.barrier(group=self.setup.dims.group("pp"))  # the common start of the step's timeline
             pipeline.timeline.start()
         placed.kv_stats.clear()
         self.fwd_bwd = self.fwd_bwd_ops = None
@@ -90,7 +90,7 @@ class Probe:
         with ExitStack() as stack:
             self.counter = stack.enter_context(CommCounter()) if counted else None
             a2a = None
-            if counted and placed.experts and self.plan.dims.degrees.ep > 1:
+            if counted and placed.experts and self.setup.dims.degrees.ep > 1:
                 from labkit.parallel.expert_parallel import record_all_to_all
 
                 a2a = stack.enter_context(record_all_to_all())
@@ -112,7 +112,7 @@ class Probe:
         self.states = model_states(engine)
 
     def _record(self, seconds: float, counted: bool, a2a: dict | None) -> None:
-        placed, rec, c = self.plan.placed, self.rec, self.counter
+        placed, rec, c = self.setup.placed, self.rec, self.counter
         rec["times"].append(seconds)
         rec["timed"].append(not counted)
         rec["comm"].append(dict(c.bytes) if c else None)
@@ -130,14 +130,14 @@ class Probe:
 
     def after_update(self, local: float) -> None:
         """The model states this rank holds after the step (before the gradients are freed: at their fullest)."""
-        if self.plan.engine is None:
-            self.states = measured_model_states(self.plan.placed.model, self.plan.optimizer)
+        if self.setup.engine is None:
+            self.states = measured_model_states(self.setup.placed.model, self.setup.optimizer)
         self.rec["held"].append(self.states.total)
         self.rec["allocated"].append(instruments.allocated(self.device))
         self.rec["local"].append(local)
 
     def rank_figures(self, rank: int) -> dict:
-        rec, world, states = self.rec, self.plan.dims.world, self.states
+        rec, world, states = self.rec, self.setup.dims.world, self.states
 
         def per_step(f):
             return [f(b) if b is not None else None for b in rec["comm"]]
@@ -152,18 +152,18 @@ class Probe:
                "model_state_bytes": asdict(states) | {"total": states.total} if states else None,
                "model_state_bytes_per_step": rec["held"], "local_loss": rec["local"],
                "cuda_allocated_after_step": rec["allocated"],
-               "peak_memory_bytes": instruments.peak_memory(self.device), "coords": self.plan.dims.coords,
-               "predicted_model_state_bytes": predicted_model_states(self.plan)}
-        if self.plan.dims.degrees.cp > 1:
+               "peak_memory_bytes": instruments.peak_memory(self.device), "coords": self.setup.dims.coords,
+               "predicted_model_state_bytes": predicted_model_states(self.setup)}
+        if self.setup.dims.degrees.cp > 1:
             out["kv_bytes_per_step"] = rec["kv"]
         if any(a is not None for a in rec["a2a"]):
             out["all_to_all_bytes_per_step"] = rec["a2a"]
         if any(rec["routing"]):
             out["routing_per_step"] = rec["routing"]
-        pipeline = self.plan.placed.pipeline
+        pipeline = self.setup.placed.pipeline
         if pipeline is not None:
             out.update(pipeline_rank_figures(pipeline, rec["peaks"]))
         return out
 
     def result_fields(self, ranks: list[dict]) -> dict[str, Any]:
-        return layout_fields(self.plan, ranks)
+        return layout_fields(self.setup, ranks)

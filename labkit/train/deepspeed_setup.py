@@ -1,5 +1,5 @@
 """How DeepSpeed's ZeRO stages run the one loop: the engine owns backward, clipping, the optimizer step,
-zeroing and the schedule, so the plan hands it the micro-batches and reads what it holds."""
+zeroing and the schedule, so the setup hands it the micro-batches and reads what it holds."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
@@ -8,13 +8,13 @@ import torch
 
 from labkit.parallel.activation_checkpointing import apply as apply_checkpointing
 from labkit.parallel.placed import Placed
-from labkit.train.plans import Plan
+from labkit.train.setup import Setup
 
 if TYPE_CHECKING:
     from labkit.core.model import GPT
 
 
-class DeepSpeedPlan(Plan):
+class DeepSpeedSetup(Setup):
     """DeepSpeed's engine takes over backward, clipping, the optimizer step, zeroing and the schedule."""
 
     @property
@@ -49,10 +49,10 @@ class DeepSpeedPlan(Plan):
     def engine_step(self, x: torch.Tensor, y: torch.Tensor, after_backward: Callable[[Any], None]) -> torch.Tensor:
         """The engine's own step over this rank's micro-batches; ``after_backward(engine)`` runs between
         the first backward and the update (what the engine frees in its step, a probe reads there)."""
-        from labkit.parallel.deepspeed_zero import train_step
+        from labkit.parallel.deepspeed_zero import engine_step
 
         micros = list(zip(x.chunk(self.cfg.grad_accum), y.chunk(self.cfg.grad_accum)))
-        return train_step(self.engine, micros, after_first_backward=after_backward)
+        return engine_step(self.engine, micros, after_first_backward=after_backward)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         from labkit.parallel.deepspeed_zero import full_state_dict

@@ -1,11 +1,11 @@
 """How a strategy places the model for the one loop, and what it builds to train it.
 
-A :class:`Plan` is what differs between strategies and nothing else: it lays the plain GPT on the
+A :class:`Setup` is what differs between strategies and nothing else: it lays the plain GPT on the
 device mesh (:func:`labkit.parallel.compose.parallelize`, with the implementations the strategy's
 record names), makes the optimizer and fp16's loss scaler, and checks up front what the layout
 cannot do on this model. The step itself (forward, backward, accumulation, clipping, the update,
 the loss) is the loop's (:func:`labkit.train.loop.train_step`); a pipeline brings its own forward
-and backward, DeepSpeed's engine its own step (:class:`labkit.train.deepspeed_plan.DeepSpeedPlan`).
+and backward, DeepSpeed's engine its own step (:class:`labkit.train.deepspeed_setup.DeepSpeedSetup`).
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from labkit.train.strategies import Strategy
 
 
-class Plan:
-    """Life of a plan, as the loop uses it: ``check_run()`` (before any collective), ``place(model)``,
+class Setup:
+    """Life of a setup, as the loop uses it: ``check_run()`` (before any collective), ``place(model)``,
     ``make_optimizer()``, ``attach(optimizer, scheduler, scaler)``."""
 
     engine = None  # DeepSpeed's engine, when it owns the step
