@@ -13,7 +13,9 @@ The order is torchtitan's (its ``parallelize`` functions), each step one call in
 3. **Experts** (``ep``): this rank keeps its share of every MoE block's experts and routes tokens
    to the others by all-to-all (:mod:`~labkit.parallel.expert_parallel`).
 4. **Context parallelism** (``cp``): ring attention over the cp group at zig-zag positions
-   (:mod:`~labkit.parallel.context_parallel`).
+   (:mod:`~labkit.parallel.context_parallel`). It swaps each block's attention function and holds
+   no parameter, so the code applies it after step 6: DDP's bucket-priming forward, a one-token
+   batch the ring could not split, runs on plain attention first.
 5. **Activation checkpointing** per block (:mod:`~labkit.parallel.activation_checkpointing`): around
    the block as TP left it, so recomputation replays TP's and the ring's collectives too, and inside
    FSDP's hooks, which must gather the weights before the block runs at all.

@@ -106,7 +106,7 @@ def layout_fields(setup: Setup, ranks: list[dict]) -> dict[str, Any]:
         out.update(cp=d.cp, dp=dims.data_world, kv_formula_bytes_per_step=layers * (
             per_call["forward"] + per_call["backward"]) + _recomputed(cfg.activation_checkpointing, layers)
             * per_call["forward"])
-    if "ep" in named:
+    if "ep" in named and d.ep > 1:  # on the mesh, a degree of 1 would say dp = world over a TP layout
         out.update(ep=d.ep, dp=dims.world // d.ep)
     if "dp_replicate" in named and setup.spec.dp_impl == "fsdp":
         psi = 4 * n_params
