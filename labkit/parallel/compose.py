@@ -151,10 +151,10 @@ def _data_parallel(placed: Placed, opts: Options, device: torch.device) -> None:
         placed.model = dp.wrap_ddp(placed.module, device, opts.bucket_cap_mb, group=dims.tokens_group)
         if opts.ddp_hook is not None:
             placed.model.register_comm_hook(None, opts.ddp_hook)
-    elif opts.dp_impl == "naive":
-        placed.model = dp.NaiveDataParallel(placed.module)
     else:
-        placed.model = dp.BucketedDataParallel(placed.module, bucket_cap_mb=opts.bucket_cap_mb)
+        placed.model = (dp.NaiveDataParallel(placed.module) if opts.dp_impl == "naive" else
+                        dp.BucketedDataParallel(placed.module, bucket_cap_mb=opts.bucket_cap_mb))
+        placed.hand_sync = placed.model.finish_gradient_sync
 
 
 def _context_parallel(placed: Placed, device: torch.device) -> None:

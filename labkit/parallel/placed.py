@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ class Placed:
     fsdp_roots: list[nn.Module] = field(default_factory=list)
     divide_experts: int | None = None  # experts outside FSDP: their summed gradients / this
     kv_stats: dict = field(default_factory=dict)  # ring attention's bytes and work, per step
+    hand_sync: Callable[[], None] | None = None  # a hand-written data parallel's gradient synchronisation
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -58,8 +59,8 @@ class Placed:
     def finish_gradients(self) -> None:
         """Between the last backward and clipping: hand-written synchronisation, sequence-parallel
         gradients still ``Partial``, experts outside FSDP, and the two copies of a tied matrix."""
-        if hasattr(self.model, "finish_gradient_sync"):
-            self.model.finish_gradient_sync()
+        if self.hand_sync is not None:
+            self.hand_sync()
         reduce_partial_grads(self.params)
         if self.divide_experts:
             for p in self.params:

@@ -19,9 +19,8 @@ import torch.nn as nn
 
 
 class ZeroOneAdamW(torch.optim.Optimizer):
-    """AdamW with ZeRO-1 optimizer-state sharding; clips the global gradient norm itself."""
-
-    clips_gradients = True  # the training loop must not clip the un-reduced local gradients
+    """AdamW with ZeRO-1 optimizer-state sharding; clips the global gradient norm itself (the loop
+    must not clip the un-reduced local gradients: :attr:`labkit.train.setup.Setup.optimizer_clips`)."""
 
     def __init__(self, model: nn.Module, lr: float, betas: tuple[float, float] = (0.9, 0.95),
                  weight_decay: float = 0.0, eps: float = 1e-8, grad_clip: float = 0.0) -> None:

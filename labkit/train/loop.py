@@ -105,7 +105,7 @@ def train_step(setup: Setup, x: torch.Tensor, y: torch.Tensor, probe: Probe) -> 
     placed.finish_gradients()  # synchronised by hand, Partial DTensors reduced, tied copies summed
     if scaler:
         scaler.unscale_(setup.optimizer)  # clip the true gradients, not the scaled ones
-    if cfg.grad_clip and not getattr(setup.optimizer, "clips_gradients", False):
+    if cfg.grad_clip and not setup.optimizer_clips:
         clip_grad_norm_(placed.params, cfg.grad_clip, placed.norm_groups, skip=placed.norm_skip)
     if scaler:
         scaler.step(setup.optimizer)

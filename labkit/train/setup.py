@@ -73,9 +73,15 @@ class Setup:
         """The model without a wrapper: what state dicts and checkpoints read (GPT names)."""
         return self.placed.module
 
+    @property
+    def optimizer_clips(self) -> bool:
+        """Whether the optimizer clips the gradients itself: the hand-written ZeRO-1 clips its reduced
+        shards, and the loop must not clip the un-reduced local gradients."""
+        return self.spec.optimizer == "zero1_scratch" and self.dims.world > 1
+
     def make_optimizer(self) -> torch.optim.Optimizer:
         cfg = self.cfg
-        if self.spec.optimizer == "zero1_scratch" and self.dims.world > 1:
+        if self.optimizer_clips:
             from labkit.parallel.zero_scratch import ZeroOneAdamW
 
             return ZeroOneAdamW(self.placed.model, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
