@@ -160,3 +160,11 @@ def test_one_layout_record_one_step_one_expert_parallelism():
     assert defined["Plan"] == ["planning/plan.py"]
     assert defined["train_step"] == ["train/loop.py"]
     assert defined["place_experts"] == ["parallel/expert_parallel.py"] and "ExpertParallel" not in defined
+
+
+def test_one_site_validates_a_run():
+    """Issue 47: the loop's layout checks run in labkit.train.validate alone (the planner asks the same
+    check_layout of the layouts it ranks, so it never lists one the loop would refuse)."""
+    callers = sorted(str(p.relative_to(LABKIT)) for p in LABKIT.rglob("*.py")
+                     if p.name != "checks.py" and re.search(r"\bcheck_layout\(", p.read_text()))
+    assert callers == ["planning/commands.py", "train/validate.py"], callers

@@ -4,7 +4,7 @@ The layouts (each dimension alone on 4 ranks, and the composed ones the labs use
 setting that changes numerics: the precisions, FSDP2's bf16 parameters (--fsdp-bf16), the pipeline
 schedules, recomputation and sequence parallelism. Each combination either trains with finite losses
 within its bar of one process in the same precision, or is refused in one line before any rank
-starts (:func:`labkit.train.loop.check_ahead`). Toy size, 3 steps: one 4-rank launch runs them all
+starts (:func:`labkit.train.validate.validate`). Toy size, 3 steps: one 4-rank launch runs them all
 (tests/test_mesh.py holds the 8-rank grid for 10 steps, resumed and resharded).
 
 The first combination it caught: pipeline stages with bf16 FSDP parameters trained on garbage and
@@ -21,7 +21,7 @@ from combination_fns import each
 from labkit.core.model import GPTConfig
 from labkit.launch import launch
 from labkit.train import TrainConfig, train
-from labkit.train.loop import check_ahead
+from labkit.train.validate import validate
 
 WORLD, STEPS = 4, 3
 MODEL = GPTConfig(n_layer=4, n_head=4, n_embd=32, block_size=16)  # 4 layers: a V of 2 ranks has 4 stages
@@ -77,7 +77,7 @@ def combos() -> dict[str, dict]:
     for name, (fields, model, twin, bar) in ROWS.items():
         try:
             cfg = replace(BASE, **fields)  # TrainConfig's own checks, then the plan's
-            check_ahead(cfg, model, WORLD)
+            validate(cfg, model, WORLD)
         except ValueError as e:
             out[name] = {"refused": str(e)}
             continue
@@ -114,7 +114,7 @@ def test_what_is_refused_is_what_cannot_run():
     refused = {}
     for name, (fields, model, *_) in ROWS.items():
         try:
-            check_ahead(replace(BASE, **fields), model, WORLD)
+            validate(replace(BASE, **fields), model, WORLD)
         except ValueError as e:
             refused[name] = str(e)
     assert not [n for n in refused if n.endswith("| fp32")], refused

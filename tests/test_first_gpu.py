@@ -49,13 +49,13 @@ def test_on_one_gpu_fsdp2_itself_is_checked_and_nothing_passes_as_fsdp_that_is_n
     from labkit.labs.gpu_items import strategy_configs
     from labkit.labs.gpu_items_parallel import fsdp2
     from labkit.train import TrainConfig
-    from labkit.train.loop import check_ahead
+    from labkit.train.validate import validate
 
     configs, skipped = strategy_configs(Setting("cpu", 1, 2))
     assert not configs and "fsdp: needs >= 2 GPUs (on one it runs without a single collective; see the item " \
                               "'fsdp2 alone')" in skipped
     with pytest.raises(ValueError, match=r"fsdp_bf16=True has no effect with one rank: FSDP2 wraps"):
-        check_ahead(TrainConfig(strategy="fsdp", fsdp_bf16=True), GPTConfig(), 1)
+        validate(TrainConfig(strategy="fsdp", fsdp_bf16=True), GPTConfig(), 1)
     (item,) = fsdp2(Setting("cpu", 1, 3))
     f = item.figures
     assert item.status == "pass", item.detail

@@ -17,7 +17,6 @@ from labkit.core.checks import (
     non_negative_int,
     non_negative_number,
     one_of,
-    positive_int,
     positive_count,
     positive_number,
 )

@@ -11,7 +11,7 @@ import statistics
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from labkit.memory.calculator import ModelStates, model_state_breakdown
+from labkit.memory.calculator import model_state_breakdown
 from labkit.parallel import pipeline_parallel as pipe
 from labkit.parallel.activation_checkpointing import parse_policy
 from labkit.parallel.fsdp import hsdp_formula

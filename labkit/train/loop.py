@@ -30,42 +30,20 @@ from labkit.core.devices import current_device, gather_objects, rank_and_world
 from labkit.core.model import GPT, GPTConfig, build_model
 from labkit.core.moe_routing import update_router_biases
 from labkit.fault_tolerance.rng import seed_rngs
-from labkit.parallel.checks import check_layout
 from labkit.parallel.clipping import clip_grad_norm_
-from labkit.parallel.mesh import Degrees, ParallelDims
+from labkit.parallel.mesh import ParallelDims
 from labkit.parallel.pipeline_parallel import V_SHAPED
 from labkit.train import instruments
-from labkit.train.config import TrainConfig, degrees_for
+from labkit.train.config import TrainConfig
 from labkit.train.deepspeed_setup import DeepSpeedSetup
 from labkit.train.lr_schedule import lr_scheduler
-from labkit.train.setup import Setup, check_run
+from labkit.train.setup import Setup
 from labkit.train.probe import Probe
 from labkit.train.resumable import Resumable
-from labkit.train.strategies import STRATEGIES, strategy
+from labkit.train.strategies import strategy
+from labkit.train.validate import validate
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def check_ahead(cfg: TrainConfig, model_cfg: GPTConfig, world: int) -> Degrees:
-    """The layout ``cfg`` gives ``world`` ranks, every check the setup makes passed: arithmetic on the
-    configs, no process group, so that a combination labkit cannot train is refused in one line before
-    any rank starts (and each rank, under torchrun, refuses it again before its first collective)."""
-    spec = strategy(cfg.strategy)
-    if model_cfg.moe_experts and not spec.moe:
-        raise ValueError(f"moe_experts={model_cfg.moe_experts} (a mixture-of-experts model) is not supported with "
-                         f"strategy={spec.name!r}: its routing would be decided per rank, not over the global batch; "
-                         f"use strategy {' / '.join(repr(s.name) for s in STRATEGIES.values() if s.moe)}")
-    asked = {dim: getattr(cfg, name) for dim, name in spec.degrees if getattr(cfg, name) and dim != spec.rest}
-    if spec.pp_impl is not None:
-        asked["pp"] = cfg.pp or world
-    if "ep" in asked and "dp_shard" not in asked:  # the ranks it is carved from, before the world is known
-        asked["dp_shard"] = asked["ep"]
-    staged = spec.pp_impl is not None or asked.get("pp", 1) > 1
-    check_layout(Degrees(**asked), model_cfg, None, cfg.microbatches if staged else None, cfg.pp_schedule,
-                 spec.pp_impl or "torch", cfg.sequence_parallel, split=cfg.pp_split)  # the model, then the world
-    degrees = degrees_for(cfg, world)
-    check_run(cfg, spec, model_cfg, degrees)
-    return degrees
 
 
 def make_setup(cfg: TrainConfig, model_cfg: GPTConfig) -> Setup:
@@ -76,7 +54,7 @@ def make_setup(cfg: TrainConfig, model_cfg: GPTConfig) -> Setup:
     if spec.needs_group and not dist.is_initialized():
         raise ValueError(f"strategy={spec.name!r} needs a process group: run it under labkit.launch.launch or "
                          "torchrun (python -m labkit.train starts a one-rank group by itself)")
-    dims = ParallelDims(check_ahead(cfg, model_cfg, world), cfg.device)
+    dims = ParallelDims(validate(cfg, model_cfg, world), cfg.device)
     return (DeepSpeedSetup if spec.deepspeed else Setup)(cfg, spec, model_cfg, current_device(cfg.device), dims)
 
 

@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from labkit.core.data import check_shard
-from labkit.parallel.mesh import Degrees, ParallelDims
+from labkit.parallel.mesh import ParallelDims
 
 if TYPE_CHECKING:
     from labkit.core.model import GPT, GPTConfig
@@ -25,8 +24,8 @@ if TYPE_CHECKING:
 
 
 class Setup:
-    """Life of a setup, as the loop uses it: ``check_run()`` (before any collective), ``place(model)``,
-    ``make_optimizer()``, ``attach(optimizer, scheduler, scaler)``."""
+    """Life of a setup, as the loop uses it, its layout validated (:mod:`labkit.train.validate`):
+    ``place(model)``, ``make_optimizer()``, ``attach(optimizer, scheduler, scaler)``."""
 
     engine = None  # DeepSpeed's engine, when it owns the step
 
@@ -41,10 +40,6 @@ class Setup:
     @property
     def pipelined(self) -> bool:
         return self.spec.pp_impl is not None or self.dims.degrees.pp > 1
-
-    def check_run(self) -> None:
-        """What this layout cannot do with this model and batch; one line naming the field."""
-        check_run(self.cfg, self.spec, self.model_cfg, self.dims.degrees)
 
     def place(self, model: GPT) -> None:
         from labkit.parallel.compose import Options, parallelize
@@ -105,28 +100,3 @@ class Setup:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer whole, on the CPU (a collective under sharding)."""
         return self.placed.full_state_dict()
-
-
-def check_run(cfg: TrainConfig, spec: Strategy, model_cfg: GPTConfig, d: Degrees) -> None:
-    """What the layout ``d`` cannot do with this model and batch, one line naming the field: arithmetic
-    on the configs alone, so a launcher can ask it before any rank starts."""
-    from labkit.parallel.checks import check_layout
-
-    pipelined = spec.pp_impl is not None or d.pp > 1
-    rows = check_shard(cfg.batch_size, d.data)
-    check_layout(d, model_cfg, rows, cfg.microbatches if pipelined else None, cfg.pp_schedule,
-                 spec.pp_impl or "torch", cfg.sequence_parallel, cfg.activation_checkpointing, cfg.pp_split)
-    if pipelined and cfg.grad_accum > 1:
-        raise ValueError(f"grad_accum={cfg.grad_accum} is not used with a pipeline (pp={d.pp}): its "
-                         "microbatches are the accumulation; set grad_accum=1 and microbatches instead")
-    if rows % cfg.grad_accum:
-        raise ValueError(f"grad_accum={cfg.grad_accum} must divide the {rows} rows each rank gets per "
-                         f"step (batch_size={cfg.batch_size} over {d.data} ranks)")
-    # Accepted and then ignored, these trained as something else (a GPU check passed fp32 as bf16 parameters)
-    if cfg.fsdp_bf16 and d.tokens == 1 and spec.dp_impl == "fsdp":
-        where = f"{d.label()} on {d.world} ranks" if d.world > 1 else "one rank"
-        raise ValueError(f"fsdp_bf16=True has no effect with {where}: FSDP2 wraps the weights only where ranks "
-                         "hold different tokens (dp_replicate x dp_shard x cp > 1); use precision='bf16' here")
-    if cfg.sequence_parallel and d.tp == 1:
-        raise ValueError(f"sequence_parallel=True has no effect with tp=1 ({d.label()}): it splits what tensor "
-                         "parallelism's ranks would each repeat; leave it out")

@@ -1,0 +1,62 @@
+"""The one place a run is validated: :func:`validate` takes the config, the model and the world size
+and returns the degrees, or raises one line naming the field, before any rank starts (a launcher asks
+it) and again on each rank before its first collective (:func:`labkit.train.loop.make_setup`).
+
+The field-by-field checks of a config (types, ranges, what each strategy takes) are
+:class:`labkit.train.config.TrainConfig`'s own, made as it is built; what a layout cannot do on a
+model (:func:`labkit.parallel.checks.check_layout`) and what the layout leaves ignored are checked
+here, once the degrees are known.
+"""
+from __future__ import annotations
+
+from labkit.core.data import check_shard
+from labkit.core.model import GPTConfig
+from labkit.parallel.checks import check_layout
+from labkit.parallel.mesh import Degrees
+from labkit.train.config import TrainConfig, degrees_for
+from labkit.train.strategies import STRATEGIES, Strategy, strategy
+
+
+def validate(cfg: TrainConfig, model_cfg: GPTConfig, world: int) -> Degrees:
+    """The layout ``cfg`` gives ``world`` ranks, once every check has passed: arithmetic on the configs,
+    no process group, so that a combination labkit cannot train is refused in one line before any
+    rank starts (and each rank, under torchrun, refuses it again before its first collective)."""
+    spec = strategy(cfg.strategy)
+    if model_cfg.moe_experts and not spec.moe:
+        raise ValueError(f"moe_experts={model_cfg.moe_experts} (a mixture-of-experts model) is not supported with "
+                         f"strategy={spec.name!r}: its routing would be decided per rank, not over the global batch; "
+                         f"use strategy {' / '.join(repr(s.name) for s in STRATEGIES.values() if s.moe)}")
+    asked = {dim: getattr(cfg, name) for dim, name in spec.degrees if getattr(cfg, name) and dim != spec.rest}
+    if spec.pp_impl is not None:
+        asked["pp"] = cfg.pp or world
+    if "ep" in asked and "dp_shard" not in asked:  # the ranks it is carved from, before the world is known
+        asked["dp_shard"] = asked["ep"]
+    staged = spec.pp_impl is not None or asked.get("pp", 1) > 1
+    check_layout(Degrees(**asked), model_cfg, None, cfg.microbatches if staged else None, cfg.pp_schedule,
+                 spec.pp_impl or "torch", cfg.sequence_parallel, split=cfg.pp_split)  # the model, then the world
+    degrees = degrees_for(cfg, world)
+    _check_run(cfg, spec, model_cfg, degrees)
+    return degrees
+
+
+def _check_run(cfg: TrainConfig, spec: Strategy, model_cfg: GPTConfig, d: Degrees) -> None:
+    """What the layout ``d`` cannot do with this model and batch, one line naming the field: arithmetic
+    on the configs alone, so a launcher can ask it before any rank starts."""
+    pipelined = spec.pp_impl is not None or d.pp > 1
+    rows = check_shard(cfg.batch_size, d.data)
+    check_layout(d, model_cfg, rows, cfg.microbatches if pipelined else None, cfg.pp_schedule,
+                 spec.pp_impl or "torch", cfg.sequence_parallel, cfg.activation_checkpointing, cfg.pp_split)
+    if pipelined and cfg.grad_accum > 1:
+        raise ValueError(f"grad_accum={cfg.grad_accum} is not used with a pipeline (pp={d.pp}): its "
+                         "microbatches are the accumulation; set grad_accum=1 and microbatches instead")
+    if rows % cfg.grad_accum:
+        raise ValueError(f"grad_accum={cfg.grad_accum} must divide the {rows} rows each rank gets per "
+                         f"step (batch_size={cfg.batch_size} over {d.data} ranks)")
+    # Accepted and then ignored, these trained as something else (a GPU check passed fp32 as bf16 parameters)
+    if cfg.fsdp_bf16 and d.tokens == 1 and spec.dp_impl == "fsdp":
+        where = f"{d.label()} on {d.world} ranks" if d.world > 1 else "one rank"
+        raise ValueError(f"fsdp_bf16=True has no effect with {where}: FSDP2 wraps the weights only where ranks "
+                         "hold different tokens (dp_replicate x dp_shard x cp > 1); use precision='bf16' here")
+    if cfg.sequence_parallel and d.tp == 1:
+        raise ValueError(f"sequence_parallel=True has no effect with tp=1 ({d.label()}): it splits what tensor "
+                         "parallelism's ranks would each repeat; leave it out")
