@@ -13,9 +13,9 @@ import torch.nn as nn
 from labkit.core.data import get_batch, load_corpus
 from labkit.core.model import GPTConfig, build_model
 from labkit.memory.finetune_probe import bytes_by_kind, prepare
-from labkit.parallel.lora import (LoRALinear, apply_lora, lora_pairs, lora_parameter_count, merge,
+from labkit.memory.lora import (LoRALinear, apply_lora, lora_pairs, lora_parameter_count, merge,
                                   peft_lora, trainable_parameters)
-from labkit.parallel.qlora import NF4_LEVELS, expected_nf4_bytes, nf4_bytes, nf4_roundtrip, qlora
+from labkit.memory.qlora import NF4_LEVELS, expected_nf4_bytes, nf4_bytes, nf4_roundtrip, qlora
 
 CFG = GPTConfig()  # the CPU lab GPT: 2 layers, n_embd 64
 R, ALPHA = 8, 16.0

@@ -43,7 +43,7 @@ def generate(model: nn.Module, prompt: str, new_tokens: int = 200, temperature: 
     """``prompt`` and ``new_tokens`` sampled bytes after it, decoded as UTF-8 (bad bytes replaced).
 
     The model stays in the mode it is in: a bitsandbytes 4-bit layer called in eval mode without
-    gradients repacks its weight for a CPU kernel (see :mod:`labkit.parallel.qlora`), and the lab
+    gradients repacks its weight for a CPU kernel (see :mod:`labkit.memory.qlora`), and the lab
     GPT has no dropout to switch off.
     """
     positive_int("new_tokens", new_tokens)

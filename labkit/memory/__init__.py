@@ -4,7 +4,9 @@
   (Rajbhandari et al. 2020; Korthikanti et al. 2022), per device, for any model shape.
 * :mod:`labkit.memory.architecture` and :mod:`labkit.memory.hf_config`: any transformer's shape (a
   preset, a Hugging Face ``config.json``, or its dimensions), its parameters counted exactly.
-* :mod:`labkit.memory.finetune`: full, LoRA and QLoRA fine-tuning's bytes per device by kind.
+* :mod:`labkit.memory.finetune`: full, LoRA and QLoRA fine-tuning's bytes per device by kind;
+  :mod:`labkit.memory.lora` and :mod:`labkit.memory.qlora`, the adapters themselves, from scratch
+  and with ``peft``, on a frozen base in 16 bits or 4-bit NF4.
 * :mod:`labkit.memory.zero_crosscheck`: the ZeRO formula against DeepSpeed's own estimators.
 * :mod:`labkit.memory.probe`: what a live model, optimizer and forward pass really hold;
   :mod:`labkit.memory.finetune_probe`, the same by kind for full, LoRA and QLoRA fine-tuning;

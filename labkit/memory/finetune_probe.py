@@ -24,8 +24,8 @@ import torch.nn as nn
 from labkit.core.checks import one_of, positive_int
 from labkit.core.data import get_batch
 from labkit.memory.probe import saved_activation_bytes, unique_storage_bytes
-from labkit.parallel.lora import DEFAULT_TARGETS, apply_lora, peft_lora, trainable_parameters
-from labkit.parallel.qlora import qlora, quant_state_tensors, quantize_nf4
+from labkit.memory.lora import DEFAULT_TARGETS, apply_lora, peft_lora, trainable_parameters
+from labkit.memory.qlora import qlora, quant_state_tensors, quantize_nf4
 
 METHODS = ("full", "lora", "qlora")
 KINDS = ("frozen", "trainable", "gradients", "optimizer", "activations")

@@ -22,8 +22,8 @@ from labkit.core.data import get_batch
 from labkit.memory.calculator import model_shape
 from labkit.memory.finetune import estimate_finetune
 from labkit.memory.finetune_probe import bytes_by_kind, eval_loss, finetune, prepare
-from labkit.parallel.lora import trainable_parameters
-from labkit.parallel.qlora import nf4_bytes, quant_state_tensors
+from labkit.memory.lora import trainable_parameters
+from labkit.memory.qlora import nf4_bytes, quant_state_tensors
 
 # the lab's kinds (labkit.memory.finetune_probe.KINDS) under the calculator's names
 CALC_KIND = {"frozen": "frozen_weights", "trainable": "trained_weights", "gradients": "grads",

@@ -14,8 +14,6 @@
   :mod:`labkit.parallel.context_parallel_torch` holds them against PyTorch's API on GPUs.
 * :mod:`labkit.parallel.expert_parallel`: a mixture of experts' experts over ranks, all-to-all;
   :mod:`labkit.parallel.expert_nodes`, the experts across nodes: two hops, each token once per node.
-* :mod:`labkit.parallel.lora` and :mod:`labkit.parallel.qlora`: low-rank adapters, from scratch and
-  with ``peft``, on a frozen base in 16 bits or 4-bit NF4.
 
 How each becomes a strategy of the training loop is :mod:`labkit.train.strategies`.
 """

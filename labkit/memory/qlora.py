@@ -11,7 +11,7 @@ Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs" (arXiv:230
   8/64 + 32/(64 * 256) = 0.127 bits per weight, so ``4.127 / 8 = 0.5159`` bytes per weight in all
   (:func:`expected_nf4_bytes`).
 * **Compute in bf16**: a layer dequantises its weight to bf16 for each matmul; only the bf16 LoRA
-  adapters (:mod:`labkit.parallel.lora`) train. Gradients flow through the frozen 4-bit base.
+  adapters (:mod:`labkit.memory.lora`) train. Gradients flow through the frozen 4-bit base.
 
 The storage is bitsandbytes' (``Linear4bit``, ``quant_type="nf4"``, ``compress_statistics=True``),
 the QLoRA authors' library, which ``peft`` adapts with its own 4-bit LoRA layer. It runs on CPU:
@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from labkit.core.checks import one_of, positive_int
-from labkit.parallel.lora import DEFAULT_TARGETS, replace_module, apply_lora, target_linears
+from labkit.memory.lora import DEFAULT_TARGETS, replace_module, apply_lora, target_linears
 
 # The 16 NF4 levels, QLoRA Appendix E (the same table as bitsandbytes' ``get_4bit_type("nf4")``)
 NF4_LEVELS: tuple[float, ...] = (

@@ -8,7 +8,7 @@ the only trained tensors. ``B`` starts at zero, so the adapted model starts as t
 :func:`merge` folds the product back into ``W`` and inference costs what it did before.
 
 :class:`LoRALinear` wraps any ``nn.Linear``, including bitsandbytes' 4-bit ``Linear4bit`` (the QLoRA
-base of :mod:`labkit.parallel.qlora`, Dettmers et al. 2023, arXiv:2305.14314). :func:`apply_lora`
+base of :mod:`labkit.memory.qlora`, Dettmers et al. 2023, arXiv:2305.14314). :func:`apply_lora`
 targets the course GPT's linears by name with ``peft``'s rule (a module's name, or its last parts,
 equals a target), so ``apply_lora(m, targets=T)`` and ``peft_lora(m, targets=T)`` adapt the same
 layers. The tied ``head`` (it is the token embedding) is left out by default.
@@ -173,7 +173,7 @@ def peft_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float 
               targets: Iterable[str] = DEFAULT_TARGETS, adapter_dtype: torch.dtype | None = None):
     """The same adaptation through ``peft``: ``get_peft_model(model, LoraConfig(...))``.
 
-    On a base whose linears are bitsandbytes ``Linear4bit`` (:func:`labkit.parallel.qlora.quantize_nf4`)
+    On a base whose linears are bitsandbytes ``Linear4bit`` (:func:`labkit.memory.qlora.quantize_nf4`)
     the model is marked ``is_loaded_in_4bit``, as ``transformers`` marks a model it loaded in 4 bits,
     so ``peft`` picks its bitsandbytes LoRA layer. ``peft`` keeps adapters in fp32 unless
     ``adapter_dtype`` says otherwise (QLoRA: ``torch.bfloat16``).
