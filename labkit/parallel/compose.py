@@ -1,7 +1,8 @@
 """Placing the GPT on a device mesh: every parallelism in one function, composed in one order.
 
-:func:`parallelize` takes the plain GPT (the same weights on every rank) and the run's
-:class:`~labkit.parallel.mesh.ParallelDims`, and returns what this rank trains, a :class:`Placed`.
+:func:`place` takes the plain GPT (the same weights on every rank) and the run's
+:class:`~labkit.parallel.mesh.ParallelDims`, and returns what this rank trains, a :class:`Placed`;
+:func:`parallelize` places one part of it (the GPT, or one pipeline stage) and returns the part.
 The order is torchtitan's (its ``parallelize`` functions), each step one call into ``labkit.parallel``:
 
 1. **Pipeline stages** (``pp``): the layers cut into stages, this rank keeping its own
@@ -40,7 +41,7 @@ from labkit.parallel.placed import Placed
 
 @dataclass(frozen=True)
 class Options:
-    """How each step of :func:`parallelize` is done, beyond the degrees."""
+    """How each step of :func:`place` is done, beyond the degrees."""
 
     activation_checkpointing: str = "none"
     sequence_parallel: bool = False
@@ -62,25 +63,33 @@ class Options:
     ddp_hook: object = field(default=None, compare=False)  # a DDP comm hook (the emulated slow link)
 
 
-def parallelize(model: GPT, dims: ParallelDims, opts: Options, device: torch.device) -> Placed:
-    """This rank's part of ``model`` under the layout ``dims``, in the module docstring's order."""
+def parallelize(part: nn.Module, dims: ParallelDims, opts: Options) -> nn.Module:
+    """One model part (the GPT, or one pipeline stage) placed along the dimensions inside it, steps 2,
+    3 and 5 of the module docstring: tensor parallelism, the experts, activation checkpointing.
+    Returns the part (changed in place), as torchtitan's ``parallelize`` functions do."""
     d = dims.degrees
-    parts, pipeline_args = _stages(model, dims, opts) if opts.pipeline or d.pp > 1 else ([model], None)
     if d.tp > 1:
         from labkit.parallel import tensor_parallel as tpar
 
-        for part in parts:
-            if opts.tp_impl == "scratch":
-                tpar.parallelize_scratch(part, dims.group("tp"))
-            else:
-                tpar.parallelize_dtensor(part, dims.submesh("tp"), opts.sequence_parallel)
-    if model.config.moe_experts:
-        from labkit.parallel.expert_parallel import place_experts
+        if opts.tp_impl == "scratch":
+            tpar.parallelize_scratch(part, dims.group("tp"))
+        else:
+            tpar.parallelize_dtensor(part, dims.submesh("tp"), opts.sequence_parallel)
+    from labkit.parallel.expert_parallel import place_experts
 
-        for part in parts:
-            place_experts(part, dims)
+    place_experts(part, dims)  # every MoE block routes over the global batch, even with ep = 1
+    apply_checkpointing(part, opts.activation_checkpointing)
+    return part
+
+
+def place(model: GPT, dims: ParallelDims, opts: Options, device: torch.device) -> Placed:
+    """This rank's share of ``model`` under the layout ``dims``, in the module docstring's order: its
+    pipeline stages (:func:`split_stages`), each :func:`parallelize`-d, then data parallelism over them
+    all, context parallelism, and the pipeline's schedule (:func:`build_pipeline`)."""
+    d = dims.degrees
+    parts, pipeline_args = split_stages(model, dims, opts) if opts.pipeline or d.pp > 1 else ([model], None)
     for part in parts:
-        apply_checkpointing(part, opts.activation_checkpointing)
+        parallelize(part, dims, opts)
     placed = Placed(model=model, module=model, dims=dims, parts=parts, scratch_tp=opts.tp_impl == "scratch" and d.tp > 1)
     if pipeline_args is not None:
         placed.module = placed.model = pipe.RankStages(parts)
@@ -90,17 +99,23 @@ def parallelize(model: GPT, dims: ParallelDims, opts: Options, device: torch.dev
     if d.cp > 1:  # after DDP's bucket-priming forward, a one-token batch the ring could not split
         _context_parallel(placed, device)
     if pipeline_args is not None:
-        from labkit.parallel.pipeline_runner import Pipeline
-
-        placed.pipeline = Pipeline(parts, placed.module, *pipeline_args, device=device, schedule=opts.pp_schedule,
-                                   microbatches=opts.microbatches, micro_shape=_micro_shape(model, dims, opts),
-                                   precision=opts.precision, impl=opts.pp_impl,
-                                   param_dtype=torch.bfloat16 if opts.fsdp_bf16 and placed.fsdp_roots else None)
-        placed.tied = _tied_copy(placed)
+        build_pipeline(placed, model, pipeline_args, opts, device)
     return placed
 
 
-def _stages(model: GPT, dims: ParallelDims, opts: Options) -> tuple[list[pipe.GPTStage], tuple]:
+def build_pipeline(placed: Placed, model: GPT, pipeline_args: tuple, opts: Options, device: torch.device) -> None:
+    """The schedule that runs ``placed``'s stages (torchtitan's ``pipelining_fn``, after the stages
+    are placed), and this rank's copy of the tied embedding / head."""
+    from labkit.parallel.pipeline_runner import Pipeline
+
+    placed.pipeline = Pipeline(placed.parts, placed.module, *pipeline_args, device=device, schedule=opts.pp_schedule,
+                               microbatches=opts.microbatches, micro_shape=_micro_shape(model, placed.dims, opts),
+                               precision=opts.precision, impl=opts.pp_impl,
+                               param_dtype=torch.bfloat16 if opts.fsdp_bf16 and placed.fsdp_roots else None)
+    placed.tied = _tied_copy(placed)
+
+
+def split_stages(model: GPT, dims: ParallelDims, opts: Options) -> tuple[list[pipe.GPTStage], tuple]:
     """This rank's stages (two chunks per rank when interleaved, r and r + pp; in a V, r and 2 pp - 1 - r)."""
     pp, rank = dims.degrees.pp, dims.coords["pp"]
     split = opts.pp_split or pipe.Split(opts.pp_schedule)

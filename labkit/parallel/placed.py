@@ -1,6 +1,6 @@
 """What one rank trains once the model is placed on the mesh, and what differs in its step because of it.
 
-:func:`labkit.parallel.compose.parallelize` returns a :class:`Placed`; the training loop's step asks it
+:func:`labkit.parallel.compose.place` returns a :class:`Placed`; the training loop's step asks it
 only these things: the batch this rank's tokens are cut from (:meth:`Placed.shard_batch`), whether to
 synchronise gradients after a micro-batch (:meth:`Placed.sync`), what must happen to gradients
 between the last backward and clipping (:meth:`Placed.finish_gradients`), which ranks share each

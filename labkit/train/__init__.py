@@ -4,7 +4,7 @@
 * :mod:`labkit.train.strategies`: every strategy as one record (what it shards, its ZeRO stage,
   its communication per step, the options it takes, what it cannot do, its degrees on the mesh).
 * :mod:`labkit.train.setup`, :mod:`labkit.train.deepspeed_setup`: how a strategy places the model
-  (:func:`labkit.parallel.compose.parallelize`), its optimizer and loss scaler.
+  (:func:`labkit.parallel.compose.place`), its optimizer and loss scaler.
 * :mod:`labkit.train.loop`: :func:`train`, the loop, and :func:`~labkit.train.loop.train_step`, the
   step; :mod:`labkit.train.probe` and :mod:`labkit.train.figures`, what it measures;
   :mod:`labkit.train.resumable`, its checkpoints.

@@ -1,10 +1,10 @@
 """How a strategy places the model for the one loop, and what it builds to train it.
 
 A :class:`Setup` is what differs between strategies and nothing else: it lays the plain GPT on the
-device mesh (:func:`labkit.parallel.compose.parallelize`, with the implementations the strategy's
-record names), makes the optimizer and fp16's loss scaler, and checks up front what the layout
-cannot do on this model. The step itself (forward, backward, accumulation, clipping, the update,
-the loss) is the loop's (:func:`labkit.train.loop.train_step`); a pipeline brings its own forward
+device mesh (:func:`labkit.parallel.compose.place`, with the implementations the strategy's
+record names) and makes the optimizer and fp16's loss scaler, once :mod:`labkit.train.validate` has
+refused what the layout cannot do on this model. The step itself (forward, backward, accumulation,
+clipping, the update, the loss) is the loop's (:func:`labkit.train.loop.train_step`); a pipeline brings its own forward
 and backward, DeepSpeed's engine its own step (:class:`labkit.train.deepspeed_setup.DeepSpeedSetup`).
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Setup:
         return self.spec.pp_impl is not None or self.dims.degrees.pp > 1
 
     def place(self, model: GPT) -> None:
-        from labkit.parallel.compose import Options, parallelize
+        from labkit.parallel.compose import Options, place
 
         cfg, spec = self.cfg, self.spec
         hook = None
@@ -61,7 +61,7 @@ class Setup:
             from labkit.device.fp8 import to_fp8
 
             to_fp8(model, "block" if cfg.precision == "fp8-block" else "tensor")
-        self.placed = parallelize(model, self.dims, opts, self.device)
+        self.placed = place(model, self.dims, opts, self.device)
 
     @property
     def module(self) -> nn.Module:
