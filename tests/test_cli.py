@@ -28,7 +28,7 @@ BAD = {"strategy": "nosuch", "device": "tpu", "bucket_cap_mb": "0", "reshard_aft
        "corpus": "/no/such/file", "metrics": None, "count_comm": "sometimes", "peak_tflops": "-1",
        "profile_steps": "1:5", "profile_dir": ["--profile-steps", "0:1", "--profile-dir", "/proc/nosuch"],
        "tf32": [], "deterministic": "=1", "memory_snapshot": "snap", "restart_if_unusable": "=1",
-       "replicas": "0", "sync_each_microbatch": "=1", "link_gbps": "-1", "link_latency_ms": "-1", "input_delay_ms": "-5", "cp": "-1",
+       "sync_each_microbatch": "=1", "link_gbps": "-1", "link_latency_ms": "-1", "input_delay_ms": "-5", "cp": "-1",
        "ep": "-2", "dp_replicate": "0", "dp_shard": "-1", "moe_experts": "-1", "moe_top_k": "0", "moe_capacity_factor": "-1", "moe_aux_weight": "-0.5",
        "moe_expert_ffn": "-1", "moe_shared": "-1", "moe_bias_rate": "-0.1", "moe_groups": "-1", "moe_group_limit": "-1",
        "pp_stages_per_rank": "-2", "pp_first_stage_less_layers": "x", "pp_last_stage_less_layers": "-1"}  # tf32, memory_snapshot: CUDA only

@@ -120,8 +120,8 @@ def test_the_parser_reads_a_trace_the_training_loop_records(tmp_path):
 def test_hsdp_equals_one_process_and_moves_the_formula_on_each_mesh_dimension():
     base = TrainConfig(steps=4, batch_size=8, lr=1e-3)
     ref = train(base, MODEL)
-    runs = launch(train_many, [replace(base, strategy="hsdp"), replace(base, strategy="hsdp", grad_accum=2),
-                               replace(base, strategy="hsdp", grad_accum=2, sync_each_microbatch=True)],
+    hsdp = replace(base, strategy="hsdp", dp_replicate=2)
+    runs = launch(train_many, [hsdp, replace(hsdp, grad_accum=2), replace(hsdp, grad_accum=2, sync_each_microbatch=True)],
                   MODEL, world_size=4, quiet=True)[0]
     plain, accum, each = runs
     for r in runs:
@@ -138,10 +138,15 @@ def test_hsdp_equals_one_process_and_moves_the_formula_on_each_mesh_dimension():
     a, e = (r["ranks"][0]["comm_bytes_by_mesh_dim_per_step"][-1] for r in (accum, each))
     assert a["shard"]["reduce_scatter_base"] * 2 == e["shard"]["reduce_scatter_base"]
     assert a["replicate"]["allreduce"] * 2 == e["replicate"]["allreduce"]
-    with pytest.raises(RankError, match=r"replicas=3 must divide world_size=4"):
-        launch(train, replace(base, strategy="hsdp", replicas=3), MODEL, world_size=4, quiet=True)
-    with pytest.raises(ValueError, match=r"replicas=2 has no effect with strategy='ddp'|replicas=4 has no effect"):
-        TrainConfig(strategy="ddp", replicas=4)
+    with pytest.raises(RankError, match=r"dp_replicate=3 must divide world_size=4"):
+        launch(train, replace(hsdp, dp_replicate=3), MODEL, world_size=4, quiet=True)
+    with pytest.raises(ValueError, match=r"dp_replicate=4 has no effect with strategy='ddp'"):
+        TrainConfig(strategy="ddp", dp_replicate=4)
+    # one name for one dimension: hsdp's replicas are the mesh's dp_replicate, and one replica is FSDP
+    from labkit.train.validate import validate
+
+    with pytest.raises(ValueError, match=r"dp_replicate=1 is too few for strategy='hsdp': give 2 or more"):
+        validate(TrainConfig(strategy="hsdp"), MODEL, 4)
 
 
 def test_a_slow_link_costs_time_not_correctness():

@@ -252,7 +252,7 @@ def test_degree_flags_choose_the_mesh_and_every_named_strategy_is_a_preset():
     assert degrees_for(TrainConfig(tp=2, pp=2), 8) == Degrees(pp=2, dp_shard=2, tp=2)  # FSDP takes the rest
     assert degrees_for(TrainConfig(strategy="tp", tp=2), 8) == Degrees(dp_shard=4, tp=2)
     assert degrees_for(TrainConfig(strategy="cp"), 4) == Degrees(cp=4)
-    assert degrees_for(TrainConfig(strategy="hsdp", replicas=2), 8) == Degrees(dp_replicate=2, dp_shard=4)
+    assert degrees_for(TrainConfig(strategy="hsdp", dp_replicate=2), 8) == Degrees(dp_replicate=2, dp_shard=4)
     assert degrees_for(TrainConfig(strategy="ddp"), 4) == Degrees(dp_replicate=4)
     with pytest.raises(ValueError, match=r"cp=3 must divide world_size=8"):
         degrees_for(TrainConfig(cp=3), 8)

@@ -21,7 +21,7 @@ WORLD, STEPS = 4, 3
 BASE = TrainConfig(steps=STEPS, batch_size=8, lr=3e-3, count_comm="none")
 # preset -> (its flags, the same layout as mesh degrees, the model)
 PRESETS = {"fsdp": (dict(), dict(dp_shard=4), MODEL),
-           "hsdp": (dict(replicas=2), dict(dp_replicate=2, dp_shard=2), MODEL),
+           "hsdp": (dict(dp_replicate=2), dict(dp_replicate=2, dp_shard=2), MODEL),
            "tp": (dict(tp=2), dict(tp=2, dp_shard=2), MODEL),
            "pp": (dict(pp=2, microbatches=2), dict(pp=2, dp_shard=2, microbatches=2), MODEL),
            "ep": (dict(ep=2), dict(dp_replicate=2, dp_shard=2, ep=2), MOE)}

@@ -128,7 +128,10 @@ def strategy_configs(s: Setting) -> tuple[dict, list[str]]:
         if "pp" in spec.options:
             extra.update(pp=s.world, microbatches=2 * s.world, pp_schedule="1f1b")
         if name == "hsdp":
-            extra["replicas"] = 2 if s.world % 2 == 0 else 1
+            if s.world % 2:
+                skipped.append(f"{name}: needs an even number of ranks (two replicas), and there are {s.world}")
+                continue
+            extra["dp_replicate"] = 2
         if ("ep", "ep") in spec.degrees and len(spec.degrees) == 1:  # the experts item trains it
             skipped.append(f"{name}: trains a mixture-of-experts model; see the item 'experts'")
             continue

@@ -48,7 +48,7 @@ CLI_ONLY = ("return_params",)  # fields a notebook sets and a command line has n
 
 
 # Flags that were renamed: one line saying what each became (issue 47: one vocabulary for a layout)
-RENAMED = {"--schedule": "--pp-schedule"}
+RENAMED = {"--schedule": "--pp-schedule", "--replicas": "--dp-replicate"}
 
 
 class _Renamed(argparse.Action):

@@ -67,15 +67,14 @@ class TrainConfig:
                           "ring bytes over this many GB/s (0: the real link)")
     link_latency_ms: float = _f(0.0, "strategy", "ddp, with --link-gbps: the emulated link's fixed cost per "
                                 "message (its alpha), paid by every bucket")
-    replicas: int = _f(2, "strategy", "hsdp: replicas of the model, each sharded over world/replicas ranks (FSDP2 "
-                       "on a replicate x shard mesh)")
     sync_each_microbatch: bool = _f(False, "strategy", "ddp, dp_naive, dp_bucketed, fsdp, hsdp: synchronise "
                                     "gradients after every micro-batch, not only the last (what no_sync and "
                                     "set_requires_gradient_sync save)")
     offload_optimizer: bool = _f(False, "strategy", "zero1/zero2/zero3: Adam states and step on the CPU "
                                  "(ZeRO-Offload)")
-    dp_replicate: int = _f(1, "strategy", "mesh: data-parallel replicas of the model (HSDP's replicate "
-                           "dimension; with --dp-shard 1 and no cp or ep, plain replication)")
+    dp_replicate: int = _f(1, "strategy", "hsdp, mesh: data-parallel replicas of the model (HSDP's replicate "
+                           "dimension, each replica sharded over the ranks left; mesh with --dp-shard 1 and no cp "
+                           "or ep: plain replication)")
     dp_shard: int = _f(0, "strategy", "mesh: data-parallel ranks FSDP2 shards each weight over, the cp ranks "
                        "joining them; the ep ranks are carved out of them (0: the ranks the other degrees leave)")
     tp: int = _f(0, "strategy", "tp, tp_scratch, mesh: tensor-parallel degree, ranks per group (0: every rank; "
@@ -167,7 +166,7 @@ class TrainConfig:
         if self.strategy == "auto":  # degrees without a strategy: the layout they describe
             given = self.dp_replicate != 1 or any(getattr(self, d) for d in ("dp_shard", "tp", "pp", "cp", "ep"))
             self.strategy = "mesh" if given else "single"
-        for name in ("steps", "batch_size", "grad_accum", "keep_last", "microbatches", "replicas", "dp_replicate"):
+        for name in ("steps", "batch_size", "grad_accum", "keep_last", "microbatches", "dp_replicate"):
             positive_count(name, getattr(self, name))
         for name in ("warmup_steps", "save_every", "tp", "pp", "cp", "ep", "dp_shard", "pp_stages_per_rank",
                      "pp_first_stage_less_layers", "pp_last_stage_less_layers"):

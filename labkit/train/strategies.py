@@ -48,6 +48,7 @@ class Strategy:
     reshardable: bool = True
     moe: bool = False  # trains a mixture-of-experts model (moe_experts > 0) as one process would
     one_process: bool = False  # the reference: exactly one rank
+    least: tuple[tuple[str, int], ...] = ()  # (field, smallest value): what the name means takes at least that
 
 
 _SYNC = "sync_each_microbatch"
@@ -73,8 +74,9 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     # of each rank's Psi/S gradient shard across the replicas (labkit.parallel.fsdp.hsdp_formula).
     Strategy("hsdp", "hybrid sharding, FSDP2 on a 2-D mesh: shard within a group (a node), replicate across",
              "parameters, gradients, optimizer states (within a shard group)", 3, None,
-             degrees=(("dp_replicate", "replicas"),), rest="dp_shard", zero_means_all=False,
-             options=("replicas", "reshard_after_forward", _SYNC), needs_group=True),
+             degrees=(("dp_replicate", "dp_replicate"),), rest="dp_shard", zero_means_all=False,
+             options=("dp_replicate", "reshard_after_forward", _SYNC), needs_group=True,
+             least=(("dp_replicate", 2),)),  # one replica is plain FSDP
     Strategy("zero1", f"DeepSpeed ZeRO stage 1: {_DS}", "optimizer states", 1, 2.0, dp_impl="none",
              options=("offload_optimizer",), deepspeed=True, needs_group=True, reshardable=False),
     Strategy("zero2", f"DeepSpeed ZeRO stage 2: {_DS}", "optimizer states, gradients", 2, 2.0, dp_impl="none",

@@ -26,6 +26,10 @@ def validate(cfg: TrainConfig, model_cfg: GPTConfig, world: int) -> Degrees:
         raise ValueError(f"moe_experts={model_cfg.moe_experts} (a mixture-of-experts model) is not supported with "
                          f"strategy={spec.name!r}: its routing would be decided per rank, not over the global batch; "
                          f"use strategy {' / '.join(repr(s.name) for s in STRATEGIES.values() if s.moe)}")
+    for name, least in spec.least:
+        if getattr(cfg, name) < least:
+            raise ValueError(f"{name}={getattr(cfg, name)} is too few for strategy={spec.name!r}: give {least} or more "
+                             f"(--{name.replace('_', '-')}); {spec.summary}")
     asked = {dim: getattr(cfg, name) for dim, name in spec.degrees if getattr(cfg, name) and dim != spec.rest}
     if spec.pp_impl is not None:
         asked["pp"] = cfg.pp or world
