@@ -72,6 +72,7 @@ def test_every_train_flag_with_a_bad_value_is_one_line_and_exit_2(capsys, name):
     ("--activation-checkpointing", "every:²", "must be a positive integer"),
     ("--corpus", "EMPTY", "holds 0 bytes; it needs at least 2 (an empty file?)"),
     ("--schedule", "1f1b", "is now --pp-schedule"),  # an old name says what it became (issue 47)
+    ("--replicas", "2", "is now --dp-replicate"),  # hsdp's replicas are the mesh's dp_replicate (issue 47)
 ])
 def test_values_typed_by_accident_are_named(capsys, tmp_path, flag, value, words):
     if value == "EMPTY":

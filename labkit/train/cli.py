@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list-strategies", action="store_true", help="describe every strategy and exit")
     p.add_argument("--can-checkpoint", action="store_true", help="print 'yes' when --strategy can save and resume, "
                    "else 'no: <why>', and exit (for batch scripts)")
-    p.add_argument("--schedule", action=_Renamed, help=argparse.SUPPRESS)
+    for old in RENAMED:
+        p.add_argument(old, action=_Renamed, help=argparse.SUPPRESS)
     # The `deepspeed` launcher passes --local_rank; the rank is read from the environment anyway.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p

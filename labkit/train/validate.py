@@ -28,8 +28,8 @@ def validate(cfg: TrainConfig, model_cfg: GPTConfig, world: int) -> Degrees:
                          f"use strategy {' / '.join(repr(s.name) for s in STRATEGIES.values() if s.moe)}")
     for name, least in spec.least:
         if getattr(cfg, name) < least:
-            raise ValueError(f"{name}={getattr(cfg, name)} is too few for strategy={spec.name!r}: give {least} or more "
-                             f"(--{name.replace('_', '-')}); {spec.summary}")
+            raise ValueError(f"{name}={getattr(cfg, name)} is too few for strategy={spec.name!r}: give {least} or "
+                             f"more; {spec.summary}")
     asked = {dim: getattr(cfg, name) for dim, name in spec.degrees if getattr(cfg, name) and dim != spec.rest}
     if spec.pp_impl is not None:
         asked["pp"] = cfg.pp or world
