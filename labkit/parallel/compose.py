@@ -181,8 +181,7 @@ def _context_parallel(placed: Placed, device: torch.device) -> None:
     positions = cp_positions(placed.module.config.block_size, dims.degrees.cp, dims.coords["cp"]).to(device)
     for part in placed.parts:
         for block in blocks_of(part):
-            block.attn.attend = partial(ring_attention, group=dims.group("cp"), causal=True, layout="zigzag",
-                                        stats=placed.kv_stats)
+            block.attn.attend = partial(ring_attention, group=dims.group("cp"), causal=True, layout="zigzag")
         part.positions = positions
 
 

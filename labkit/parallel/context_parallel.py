@@ -22,6 +22,8 @@ before computing on the current block, hiding the transfer behind the compute.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -132,6 +134,22 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+_OPEN: list[dict] = []  # open record_ring() logs
+
+
+@contextmanager
+def record_ring() -> Iterator[dict]:
+    """Count, while open, the work and bytes of every ring attention on this rank that was given no
+    ``stats`` of its own, into the dict yielded (the keys of :func:`ring_attention`'s ``stats``): how
+    a training step is measured without the model holding any measurement state."""
+    log: dict = {}
+    _OPEN.append(log)
+    try:
+        yield log
+    finally:
+        _OPEN.remove(log)
+
+
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None,
                    causal: bool = True, layout: str = "zigzag", stats: dict | None = None) -> Tensor:
     """Exact softmax attention of this rank's queries over the whole sequence split across ``group``.
@@ -140,9 +158,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | N
     ``layout`` (:func:`labkit.parallel.cp_layout.cp_shard`; the full length is local_seq x C). Returns
     this rank's slice of the output, as ``scaled_dot_product_attention`` on the full sequence would
     give it (scale 1/sqrt(head_dim), no dropout). Every rank of ``group`` must call it together, and
-    backward too (it is a ring). ``stats``, if given, accumulates the work done (``scores``,
-    ``visible``: query x key products computed, and kept by the mask) and the bytes sent
-    (``forward_bytes``, ``backward_bytes``).
+    backward too (it is a ring). ``stats``, if given (or an open :func:`record_ring`'s log),
+    accumulates the work done (``scores``, ``visible``: query x key products computed, and kept by
+    the mask) and the bytes sent (``forward_bytes``, ``backward_bytes``).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -151,4 +169,6 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | N
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     C = dist.get_world_size(group)
     cp_positions(q.shape[2] * C, C, 0, layout)  # raises if the length does not split in this layout
+    if stats is None and _OPEN:
+        stats = _OPEN[-1]
     return _RingAttention.apply(q, k, v, group, causal, layout, stats)

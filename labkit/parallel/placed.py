@@ -33,7 +33,6 @@ class Placed:
     tied: nn.Parameter | None = None  # this rank's copy of the tied embedding / head, under pp > 1
     fsdp_roots: list[nn.Module] = field(default_factory=list)
     divide_experts: int | None = None  # experts outside FSDP: their summed gradients / this
-    kv_stats: dict = field(default_factory=dict)  # ring attention's bytes and work, per step
     hand_sync: Callable[[], None] | None = None  # a hand-written data parallel's gradient synchronisation
 
     @property

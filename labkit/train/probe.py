@@ -83,20 +83,23 @@ class Probe:
             if self.setup.dims.group("pp") is not None:
                 dist.barrier(group=self.setup.dims.group("pp"))  # the common start of the step's timeline
             pipeline.timeline.start()
-        placed.kv_stats.clear()
         self.fwd_bwd = self.fwd_bwd_ops = None
         synchronize(self.device)
         t0 = time.perf_counter()
         with ExitStack() as stack:
             self.counter = stack.enter_context(CommCounter()) if counted else None
-            a2a = None
+            a2a, kv = None, {}
             if counted and placed.experts and self.setup.dims.degrees.ep > 1:
                 from labkit.parallel.expert_parallel import record_all_to_all
 
                 a2a = stack.enter_context(record_all_to_all())
+            if self.setup.dims.degrees.cp > 1:
+                from labkit.parallel.context_parallel import record_ring
+
+                kv = stack.enter_context(record_ring())
             yield
         synchronize(self.device)
-        self._record(time.perf_counter() - t0, counted, a2a)
+        self._record(time.perf_counter() - t0, counted, a2a, kv)
 
     def mark(self) -> None:
         """Forward and backward are done: what they sent so far is theirs."""
@@ -111,7 +114,7 @@ class Probe:
         self.mark()
         self.states = model_states(engine)
 
-    def _record(self, seconds: float, counted: bool, a2a: dict | None) -> None:
+    def _record(self, seconds: float, counted: bool, a2a: dict | None, kv: dict) -> None:
         placed, rec, c = self.setup.placed, self.rec, self.counter
         rec["times"].append(seconds)
         rec["timed"].append(not counted)
@@ -120,7 +123,7 @@ class Probe:
         rec["by_dim"].append({self.dims_of.get(g, "other"): dict(ops) for g, ops in c.by_group.items()} if c else None)
         rec["fwd_bwd"].append(self.fwd_bwd if c else None)
         rec["ops"].append({"total": dict(c.ops), "fwd_bwd": self.fwd_bwd_ops or dict(c.ops)} if c else None)
-        rec["kv"].append(placed.kv_stats.get("forward_bytes", 0) + placed.kv_stats.get("backward_bytes", 0))
+        rec["kv"].append(kv.get("forward_bytes", 0) + kv.get("backward_bytes", 0))
         rec["a2a"].append(a2a["bytes"] if a2a is not None else None)
         rec["routing"].append(_routing(placed.module))
         if placed.pipeline is not None:
