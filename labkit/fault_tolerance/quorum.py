@@ -10,10 +10,11 @@ dead group's collective keeps beating, and is waited for until its collective ti
 ``init_process_group`` again over that generation's ``PrefixStore``. A heartbeat carries its
 process's *incarnation* (a token of its own): torchrun's replacement beats under the same replica
 id within a second of the kill, and without the token it would keep the dead member looking alive
-until the quorum's timeout (seen here: 120 s of two survivors waiting for a member that was dead). A replaced worker (torchrun
-restarts it) announces that it wants to join; at each step boundary the members agree, by one
-broadcast from their rank 0, whether to let it in, and all of them form the next generation
-together. Members keep their order by replica id, so a whole group has the ranks it started with.
+until the quorum's timeout (seen here: 120 s of two survivors waiting for a member that was dead).
+A replaced worker (torchrun restarts it), or a survivor left out because its beat came late,
+announces that it wants to join; at each step boundary the members agree, by one broadcast from
+their rank 0, whether to let it in, and all of them form the next generation together. Members
+keep their order by replica id, so a whole group has the ranks it started with.
 
 This is torchft's design (a lighthouse, heartbeats, a quorum per step, reconfigurable process
 groups) in its simplest form: the heartbeats compare one host's clock (torchft's lighthouse times
