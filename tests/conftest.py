@@ -5,6 +5,12 @@ import sys
 from pathlib import Path
 
 import pytest
+# nbgrader imports setuptools, whose distutils shim asserts that it loaded its own distutils; in a
+# process where pip was imported first, the standard library's distutils.core is loaded instead and
+# the import fails (reproduced: `import pip, distutils.core; import nbgrader.preprocessors`). A CI run
+# met it in test_hub_safety, after whatever ran before it on that worker. setuptools first, in every
+# worker, and the shim has done its work before anything can import pip.
+import setuptools  # noqa: F401,E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
