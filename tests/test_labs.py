@@ -382,7 +382,9 @@ def test_fault_tolerance_lab_metrics(lab_metrics):
     assert [f["signal"] for f in m["faults"]] == ["SIGKILL", "SIGTERM"]
     kill, term = m["recovery"]
     # SIGKILL: torchrun restarted the group from the last published checkpoint (an async one may be in flight)
-    assert kill["resumed_from"] % P["save_every"] == 0 and 0 <= kill["steps_redone"] < 2 * P["save_every"]
+    # At most one async save in flight, and the next save waits for it: killed while the save of step
+    # m waits for m - save_every's, the run resumes from m - 2 save_every (seen in CI: 8 of 8 redone)
+    assert kill["resumed_from"] % P["save_every"] == 0 and 0 <= kill["steps_redone"] <= 2 * P["save_every"]
     # SIGTERM: the step finished, saved within the grace, exit 75, requeued: nothing redone
     assert term["steps_redone"] == 0 and term["resumed_from"] == term["last_done"]
     assert len(m["returncodes"]) == 2 and m["returncodes"][0] != 0 and m["returncodes"][-1] == 0
