@@ -281,7 +281,8 @@ def test_syntax_error_and_infinite_loop_are_graded_zero_not_a_crash(graded):
         if student == "bad_loop":  # the two test cells that call the looping function time out, and no other
             calls = [c for c in nb.cells if c.cell_type == "code" and "zero_bytes_per_device(" in c.source
                      and "def zero_bytes_per_device" not in c.source]
-            timed_out = [c for c in nb.cells if c.cell_type == "code" and any(re.fullmatch(expect, e) for e in _errors(c))]
+            timed_out = [c for c in nb.cells
+                         if c.cell_type == "code" and any(re.fullmatch(expect, e) for e in _errors(c))]
             assert len(calls) == 2 and timed_out == calls, ([c.source[:80] for c in timed_out], names)
 
 

@@ -121,7 +121,8 @@ def test_hsdp_equals_one_process_and_moves_the_formula_on_each_mesh_dimension():
     base = TrainConfig(steps=4, batch_size=8, lr=1e-3)
     ref = train(base, MODEL)
     hsdp = replace(base, strategy="hsdp", dp_replicate=2)
-    runs = launch(train_many, [hsdp, replace(hsdp, grad_accum=2), replace(hsdp, grad_accum=2, sync_each_microbatch=True)],
+    runs = launch(train_many,
+                  [hsdp, replace(hsdp, grad_accum=2), replace(hsdp, grad_accum=2, sync_each_microbatch=True)],
                   MODEL, world_size=4, quiet=True)[0]
     plain, accum, each = runs
     for r in runs:

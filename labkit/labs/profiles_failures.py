@@ -9,8 +9,9 @@ from __future__ import annotations
 # straggler_ms on CPU: three ranks share two cores, so the others' compute swings by 2-3x; a 50 ms
 # delay was lost in that once (1.49x against find_stragglers' 1.5x), 250 ms stands out of any such swing.
 # stale_s: a worker whose heartbeat is older is taken for dead (0.5 s left a survivor out once, its
-# beats late on cores shared by eight processes; a replacement's own beat tells its death at once); min_step_ms: a floor under the elastic
-# step, as a real model's step outlasts a replacement's start-up; bytes_per_param, scenario_params:
+# beats late on cores shared by eight processes; a replacement's own beat tells its death at once);
+# min_step_ms: a floor under the elastic step, as a real model's step outlasts a replacement's
+# start-up; bytes_per_param, scenario_params:
 # the checkpoint the goodput model prices per GPU (fp32 master weights and Adam's two moments of Llama 3
 # 405B, over its 16,384 GPUs); job_restart_min: what restarting a whole job costs at scale (an
 # assumption, the fault-tolerance chapter's 10 minutes).
