@@ -35,7 +35,9 @@ TRAIN_TAKES = {
     # large but harmless: a grace period nothing outlasts, a clip that never bites, a peak no run nears
     "--grace-s": ZERO | {"1e300", BIG}, "--grad-clip": ZERO | {"1e300", BIG}, "--peak-tflops": ZERO | {"1e300", BIG},
     "--weight-decay": ZERO,
-    **dict.fromkeys(["--cp", "--dp-shard", "--ep", "--pp", "--tp", "--pp-stages-per-rank", "--pp-first-stage-less-layers",
+    # a degree: -1 takes the ranks the others leave (torchtitan's), 0 leaves it to the strategy
+    **dict.fromkeys(["--cp", "--dp-shard", "--ep", "--pp", "--tp"], ZERO | {"-1"}), "--dp-replicate": {"-1"},
+    **dict.fromkeys(["--pp-stages-per-rank", "--pp-first-stage-less-layers",
                      "--pp-last-stage-less-layers", "--dropout", "--input-delay-ms", "--link-gbps",
                      "--link-latency-ms", "--reserve-s", "--save-every", "--seed", "--warmup-steps",
                      "--moe-experts", "--moe-aux-weight", "--moe-bias-rate", "--moe-capacity-factor",

@@ -228,7 +228,7 @@ def test_degrees_multiply_to_the_world_and_number_ranks_as_the_mesh_does():
 def test_expert_parallelism_is_carved_out_of_dp_shard_as_in_torchtitan():
     """torchtitan's ParallelDims: world = pp x dp_replicate x dp_shard x cp x tp, ep borrowed from dp_shard;
     so --dp-shard 2 --ep 2 is two ranks here too, and the ep groups sit inside the dp_shard groups."""
-    from labkit.train.config import degrees_for
+    from labkit.train.validate import degrees_for
 
     d = Degrees(dp_shard=4, ep=2)
     assert d.world == 4 and d.data == 4 and d.shard == 4 and d.dp_shard_mod_ep == 2
@@ -246,7 +246,7 @@ def test_expert_parallelism_is_carved_out_of_dp_shard_as_in_torchtitan():
 
 
 def test_degree_flags_choose_the_mesh_and_every_named_strategy_is_a_preset():
-    from labkit.train.config import degrees_for
+    from labkit.train.validate import degrees_for
 
     assert TrainConfig(tp=2, pp=2).strategy == "mesh" and TrainConfig().strategy == "single"
     assert degrees_for(TrainConfig(tp=2, pp=2), 8) == Degrees(pp=2, dp_shard=2, tp=2)  # FSDP takes the rest
@@ -260,6 +260,30 @@ def test_degree_flags_choose_the_mesh_and_every_named_strategy_is_a_preset():
         degrees_for(TrainConfig(tp=2, pp=2, dp_shard=4), 8)
     with pytest.raises(ValueError, match=r"strategy='tp_scratch' is written by hand for one dimension only"):
         degrees_for(TrainConfig(strategy="tp_scratch", tp=2), 4)
+
+
+def test_minus_one_takes_the_ranks_the_others_leave_as_in_torchtitan():
+    """-1 is torchtitan's "the rest" for any degree; a preset's own degree, left unset, is -1."""
+    from labkit.train.strategies import STRATEGIES, layout
+    from labkit.train.validate import degrees_for
+
+    assert degrees_for(TrainConfig(tp=-1, dp_shard=2), 8) == Degrees(dp_shard=2, tp=4)
+    assert degrees_for(TrainConfig(dp_replicate=-1, dp_shard=2), 8) == Degrees(dp_replicate=4, dp_shard=2)
+    assert degrees_for(TrainConfig(ep=-1), 4) == Degrees(dp_shard=4, ep=4)  # carved out of the ranks left
+    assert degrees_for(TrainConfig(pp=2, dp_shard=-1), 8) == degrees_for(TrainConfig(pp=2), 8)
+    for name in ("tp", "cp", "pp", "fsdp", "ddp"):  # the name is its degree at -1, as --list-strategies says
+        (dim,) = [d for d in ("tp", "cp", "pp", "dp_shard", "dp_replicate") if f"--{d.replace('_', '-')} -1" in
+                  layout(STRATEGIES[name]).split(" (")[0]]
+        assert degrees_for(TrainConfig(strategy=name), 8) == Degrees(**{dim: 8}), name
+    with pytest.raises(ValueError, match=r"^dp_shard=-1 and tp=-1: only one degree can take the ranks"):
+        degrees_for(TrainConfig(tp=-1, dp_shard=-1), 8)
+    with pytest.raises(ValueError, match=r"^ep=-1 with dp_shard=4: ep is carved out of dp_shard"):
+        degrees_for(TrainConfig(ep=-1, dp_shard=4), 8)
+    with pytest.raises(ValueError, match=r"^the degrees pp=4 tp=4 multiply to 16, which does not divide world_si"):
+        degrees_for(TrainConfig(tp=4, pp=4, dp_shard=-1), 8)
+    for bad in (dict(tp=-2), dict(dp_replicate=0), dict(pp=1.5)):
+        with pytest.raises(ValueError, match=r"must be a positive number of ranks or -1"):
+            TrainConfig(**bad)
 
 
 @pytest.mark.parametrize("degrees, model, match", [
@@ -287,7 +311,7 @@ def test_the_chooser_never_lists_a_layout_the_loop_refuses(hidden, layers, heads
     from labkit.planning.choose import choose_strategy
     from labkit.planning.commands import degrees
     from labkit.train.cli import configs_from
-    from labkit.train.config import degrees_for
+    from labkit.train.validate import degrees_for
 
     shape = ModelShape.from_dims("gpt", hidden, layers, heads, 50257, seq)
     rec = choose_strategy(shape, n, 80, micro_batch=2, seq_len=seq)

@@ -12,7 +12,7 @@ from labkit.core.model import GPTConfig
 from labkit.launch import launch
 from labkit.parallel.mesh import Degrees
 from labkit.train import TrainConfig
-from labkit.train.config import degrees_for
+from labkit.train.validate import degrees_for
 from labkit.train.strategies import STRATEGIES
 
 MODEL = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16)

@@ -24,7 +24,7 @@ from labkit.core.model import GPTConfig
 from labkit.fault_tolerance.errors import CheckpointError
 from labkit.fault_tolerance.preemption import REQUEUE_EXIT_CODE
 from labkit.train.config import GROUPS, TrainConfig
-from labkit.train.strategies import STRATEGIES
+from labkit.train.strategies import STRATEGIES, layout
 
 MODEL_HELP = {
     "vocab_size": "tokens in the vocabulary (256: every byte is a token)",
@@ -62,8 +62,9 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _describe_strategies() -> str:
-    rows = [f"  {s.name:14} {s.summary}" + (" [teaching]" if s.teaching else "") for s in STRATEGIES.values()]
-    return "strategies:\n" + "\n".join(rows)
+    rows = [f"  {s.name:14} {s.summary}" + (" [teaching]" if s.teaching else "") + f"\n  {'':14} = {layout(s)}"
+            for s in STRATEGIES.values()]
+    return "strategies (= the degrees each name is; -1: the ranks the other degrees leave):\n" + "\n".join(rows)
 
 
 def _kind(f, default) -> dict:

@@ -7,7 +7,6 @@ checks itself when it is made: a bad value, or an option the chosen strategy doe
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -23,10 +22,9 @@ from labkit.core.checks import (
 from labkit.core.devices import DEVICE_TYPES, check_device
 from labkit.fault_tolerance.preemption import check_grace
 from labkit.parallel.activation_checkpointing import parse_policy
-from labkit.parallel.mesh import Degrees
 from labkit.parallel.pipeline_parallel import PP_SCHEDULES
 from labkit.train.lr_schedule import LR_SCHEDULES
-from labkit.train.strategies import DIMS, OPTIONS, WHY, Strategy, strategy, takes
+from labkit.train.strategies import OPTIONS, Strategy, strategy, takes
 
 # How the loop computes (Micikevicius et al. 2018): fp32 throughout; bf16 or fp16 autocast with fp32
 # weights and optimizer states (fp16 with dynamic loss scaling, torch's GradScaler).
@@ -72,20 +70,25 @@ class TrainConfig:
                                     "set_requires_gradient_sync save)")
     offload_optimizer: bool = _f(False, "strategy", "zero1/zero2/zero3: Adam states and step on the CPU "
                                  "(ZeRO-Offload)")
+    # The degrees, torchtitan's ParallelDims: -1 takes the ranks the others leave (one degree at most).
+    # Unset (0), a preset's own degree is -1 (--strategy tp is --tp -1) and mesh's are 1 (dp_shard: -1).
     dp_replicate: int = _f(1, "strategy", "hsdp, mesh: data-parallel replicas of the model (HSDP's replicate "
                            "dimension, each replica sharded over the ranks left; mesh with --dp-shard 1 and no cp "
-                           "or ep: plain replication)")
+                           "or ep: plain replication; -1: the ranks the other degrees leave)")
     dp_shard: int = _f(0, "strategy", "mesh: data-parallel ranks FSDP2 shards each weight over, the cp ranks "
-                       "joining them; the ep ranks are carved out of them (0: the ranks the other degrees leave)")
-    tp: int = _f(0, "strategy", "tp, tp_scratch, mesh: tensor-parallel degree, ranks per group (0: every rank; "
-                 "mesh: 1); the other world/tp ranks are FSDP2 data parallel")
+                       "joining them; the ep ranks are carved out of them (unset or -1: the ranks the other "
+                       "degrees leave)")
+    tp: int = _f(0, "strategy", "tp, tp_scratch, mesh: tensor-parallel degree, ranks per group (-1: the ranks "
+                 "left; unset: -1 under tp, 1 under mesh); the other world/tp ranks are FSDP2 data parallel")
     sequence_parallel: bool = _f(False, "strategy", "tp, mesh: LayerNorms and dropout on s/tp tokens per rank "
                                  "(all-gather + reduce-scatter instead of all-reduce)")
-    cp: int = _f(0, "strategy", "cp, mesh: context-parallel degree, ranks sharing each sequence (0: every rank; "
-                 "mesh: 1); the other world/cp ranks are data parallel")
+    cp: int = _f(0, "strategy", "cp, mesh: context-parallel degree, ranks sharing each sequence (-1: the ranks "
+                 "left; unset: -1 under cp, 1 under mesh); the other world/cp ranks are data parallel")
     ep: int = _f(0, "strategy", "ep, mesh: expert-parallel degree, ranks sharing one copy of the experts, carved "
-                 "out of dp_shard as in torchtitan (--dp-shard 2 --ep 2 is 2 ranks) (0: every rank; mesh: 1)")
-    pp: int = _f(0, "strategy", "pp, pp_scratch, mesh: pipeline stages (0: every rank; mesh: 1)")
+                 "out of dp_shard as in torchtitan (--dp-shard 2 --ep 2 is 2 ranks) (-1: the ranks left; unset: -1 under "
+                 "ep, 1 under mesh)")
+    pp: int = _f(0, "strategy", "pp, pp_scratch, mesh: pipeline stages (-1: the ranks left; unset: -1 "
+                 "under pp, 1 under mesh)")
     microbatches: int = _f(4, "strategy", "pp, pp_scratch, mesh: microbatches each data-parallel rank's rows are "
                            "cut into for the pipeline")
     pp_schedule: str = _f("1f1b", "strategy", "pp, pp_scratch, mesh: pipeline schedule", PP_SCHEDULES)
@@ -166,9 +169,15 @@ class TrainConfig:
         if self.strategy == "auto":  # degrees without a strategy: the layout they describe
             given = self.dp_replicate != 1 or any(getattr(self, d) for d in ("dp_shard", "tp", "pp", "cp", "ep"))
             self.strategy = "mesh" if given else "single"
-        for name in ("steps", "batch_size", "grad_accum", "keep_last", "microbatches", "dp_replicate"):
+        for name in ("steps", "batch_size", "grad_accum", "keep_last", "microbatches"):
             positive_count(name, getattr(self, name))
-        for name in ("warmup_steps", "save_every", "tp", "pp", "cp", "ep", "dp_shard", "pp_stages_per_rank",
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"):  # -1: the ranks the others leave
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < -1 or value > MAX_COUNT or (
+                    name == "dp_replicate" and value == 0):
+                raise ValueError(f"{name} must be a positive number of ranks or -1 (the ranks the other degrees "
+                                 f"leave), got {value!r}")
+        for name in ("warmup_steps", "save_every", "pp_stages_per_rank",
                      "pp_first_stage_less_layers", "pp_last_stage_less_layers"):
             at_most(name, non_negative_int(name, getattr(self, name)), MAX_COUNT, "past any run")
         non_negative_int("seed", self.seed)
@@ -209,36 +218,6 @@ class TrainConfig:
 def defaults() -> dict[str, Any]:
     """Every field's default, by name."""
     return {f.name: f.default for f in fields(TrainConfig)}
-
-
-def degrees_for(cfg: TrainConfig, world: int) -> Degrees:
-    """The layout ``cfg``'s strategy gives it on ``world`` ranks; a one-line ValueError naming the field otherwise."""
-    spec = strategy(cfg.strategy)
-    if spec.one_process and world != 1:
-        raise ValueError(f"strategy={spec.name!r} runs on one process but world_size={world}; use 'ddp' (or "
-                         "another strategy) for several ranks")
-    given: dict[str, int] = {}
-    for dim, name in spec.degrees:
-        value = getattr(cfg, name)
-        if value or dim != spec.rest:
-            given[dim] = value or (world if spec.zero_means_all else 1)
-            if world % given[dim]:
-                raise ValueError(f"{name}={given[dim]} must divide world_size={world}: {WHY.get(dim, '')}".rstrip(": "))
-    if given.get("ep", 1) > 1 and spec.rest != "dp_shard" and "dp_shard" not in given:
-        given["dp_shard"] = given["ep"]  # ep is carved out of dp_shard (torchtitan): the least that holds it
-    # ep spans no ranks of its own: it is carved out of dp_shard (labkit.parallel.degrees)
-    others = math.prod(v for d, v in given.items() if d not in (spec.rest, "ep"))
-    if spec.rest not in given:
-        if world % others:
-            raise ValueError(f"the degrees {Degrees(**given).label()} multiply to {others}, which does not divide "
-                             f"world_size={world}: the ranks left over form the {spec.rest} dimension")
-        given[spec.rest] = world // others
-    degrees = Degrees(**given)
-    degrees.check(world)
-    if spec.teaching and degrees.world > 1 and max(getattr(degrees, d) for d in DIMS) != world:
-        raise ValueError(f"strategy={spec.name!r} is written by hand for one dimension only: its degree must be "
-                         f"world_size={world}, here {degrees.label()}; strategy 'mesh' composes the library versions")
-    return degrees
 
 
 def check_config(cfg: TrainConfig) -> None:

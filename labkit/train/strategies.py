@@ -29,10 +29,11 @@ class Strategy:
     # collectives (Rajbhandari et al. 2020, section 7); None where the traffic is activations, not Psi.
     comm_volume: float | None
     # The layout: (mesh dimension, TrainConfig field giving its degree) pairs, and the dimension that
-    # takes the ranks the others leave. A field left at 0 means every rank for a preset, 1 for ``mesh``.
+    # takes the ranks the others leave. A degree the run leaves unset is ``unset``: -1 (the ranks left)
+    # for a preset named after its dimension, so ``--strategy tp`` is ``--tp -1``; 1 for ``mesh``.
     degrees: tuple[tuple[str, str], ...] = ()
     rest: str = "dp_replicate"
-    zero_means_all: bool = True
+    unset: int = -1
     dp_impl: str = "fsdp"  # how the token ranks share gradients: fsdp (FSDP2/HSDP), ddp, naive, bucketed, none
     tp_impl: str = "dtensor"  # or "scratch": the hand-written column- and row-parallel layers
     pp_impl: str | None = None  # "torch" or "scratch": runs the pipeline schedule (even on one stage)
@@ -74,7 +75,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     # of each rank's Psi/S gradient shard across the replicas (labkit.parallel.fsdp.hsdp_formula).
     Strategy("hsdp", "hybrid sharding, FSDP2 on a 2-D mesh: shard within a group (a node), replicate across",
              "parameters, gradients, optimizer states (within a shard group)", 3, None,
-             degrees=(("dp_replicate", "dp_replicate"),), rest="dp_shard", zero_means_all=False,
+             degrees=(("dp_replicate", "dp_replicate"),), rest="dp_shard", unset=1,
              options=("dp_replicate", "reshard_after_forward", _SYNC), needs_group=True,
              least=(("dp_replicate", 2),)),  # one replica is plain FSDP
     Strategy("zero1", f"DeepSpeed ZeRO stage 1: {_DS}", "optimizer states", 1, 2.0, dp_impl="none",
@@ -106,9 +107,9 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("pp_scratch", "pipeline parallel by hand: GPipe and 1F1B with paired send/recv",
              "the layers (one stage per rank)", 0, None, degrees=(("pp", "pp"),), rest="dp_shard",
              pp_impl="scratch", options=_PP, grad_accum=False, teaching=True),
-    Strategy("mesh", "any layout on one device mesh: --dp-replicate, --dp-shard (FSDP2; 0: the ranks left), --tp, "
+    Strategy("mesh", "any layout on one device mesh: --dp-replicate, --dp-shard (FSDP2; unset or -1: the ranks left), --tp, "
              "--pp, --cp, --ep, composed in torchtitan's order", "whatever the degrees split", 3, None,
-             degrees=_MESH_DEGREES, rest="dp_shard", zero_means_all=False,
+             degrees=_MESH_DEGREES, rest="dp_shard", unset=1,
              options=(*DIMS, "sequence_parallel", "microbatches", "pp_schedule", *_SPLIT, "reshard_after_forward",
                       "fsdp_bf16", _SYNC), needs_group=True, moe=True),
 )}
@@ -130,3 +131,17 @@ def strategy(name: str) -> Strategy:
 def takes(option: str) -> list[str]:
     """The strategies that take ``option``."""
     return [s.name for s in STRATEGIES.values() if option in s.options]
+
+
+def layout(spec: Strategy) -> str:
+    """What the name means as degree flags: ``--tp -1`` for ``tp`` (and, when the run gives ``--tp N``,
+    the dimension the ranks left go to). -1 is torchtitan's "the ranks the others leave"."""
+    flag = lambda dim: "--" + dim.replace("_", "-")  # noqa: E731
+    if spec.one_process:
+        return "one rank"
+    own = [dim for dim, _ in spec.degrees if dim != spec.rest]
+    if spec.unset == -1 and len(own) == 1:
+        return f"{flag(own[0])} -1 (given {flag(own[0])} N: {flag(spec.rest)} takes the ranks left)"
+    if len(own) > 1:
+        return f"{', '.join(map(flag, own))} as given (unset: 1), {flag(spec.rest)} -1"
+    return " ".join([*(f"{flag(dim)} N" for dim in own), flag(spec.rest), "-1"])

@@ -9,12 +9,14 @@ here, once the degrees are known.
 """
 from __future__ import annotations
 
+import math
+
 from labkit.core.data import check_shard
 from labkit.core.model import GPTConfig
 from labkit.parallel.checks import check_layout
 from labkit.parallel.mesh import Degrees
-from labkit.train.config import TrainConfig, degrees_for
-from labkit.train.strategies import STRATEGIES, Strategy, strategy
+from labkit.train.config import TrainConfig
+from labkit.train.strategies import DIMS, STRATEGIES, WHY, Strategy, strategy
 
 
 def validate(cfg: TrainConfig, model_cfg: GPTConfig, world: int) -> Degrees:
@@ -27,18 +29,23 @@ def validate(cfg: TrainConfig, model_cfg: GPTConfig, world: int) -> Degrees:
                          f"strategy={spec.name!r}: its routing would be decided per rank, not over the global batch; "
                          f"use strategy {' / '.join(repr(s.name) for s in STRATEGIES.values() if s.moe)}")
     for name, least in spec.least:
-        if getattr(cfg, name) < least:
+        if 0 < getattr(cfg, name) < least:
             raise ValueError(f"{name}={getattr(cfg, name)} is too few for strategy={spec.name!r}: give {least} or "
                              f"more; {spec.summary}")
-    asked = {dim: getattr(cfg, name) for dim, name in spec.degrees if getattr(cfg, name) and dim != spec.rest}
+    # the degrees given as numbers (-1 waits for the world size)
+    asked = {dim: getattr(cfg, name) for dim, name in spec.degrees if getattr(cfg, name) > 0 and dim != spec.rest}
     if spec.pp_impl is not None:
-        asked["pp"] = cfg.pp or world
+        asked["pp"] = cfg.pp if cfg.pp > 0 else world
     if "ep" in asked and "dp_shard" not in asked:  # the ranks it is carved from, before the world is known
         asked["dp_shard"] = asked["ep"]
     staged = spec.pp_impl is not None or asked.get("pp", 1) > 1
     check_layout(Degrees(**asked), model_cfg, None, cfg.microbatches if staged else None, cfg.pp_schedule,
                  spec.pp_impl or "torch", cfg.sequence_parallel, split=cfg.pp_split)  # the model, then the world
     degrees = degrees_for(cfg, world)
+    for name, least in spec.least:
+        if getattr(degrees, name) < least:
+            raise ValueError(f"{name}={getattr(cfg, name)} gives {getattr(degrees, name)} on {world} rank(s), too few "
+                             f"for strategy={spec.name!r}: give {least} or more; {spec.summary}")
     _check_run(cfg, spec, model_cfg, degrees)
     return degrees
 
@@ -64,3 +71,47 @@ def _check_run(cfg: TrainConfig, spec: Strategy, model_cfg: GPTConfig, d: Degree
     if cfg.sequence_parallel and d.tp == 1:
         raise ValueError(f"sequence_parallel=True has no effect with tp=1 ({d.label()}): it splits what tensor "
                          "parallelism's ranks would each repeat; leave it out")
+
+
+def degrees_for(cfg: TrainConfig, world: int) -> Degrees:
+    """The layout ``cfg``'s strategy gives it on ``world`` ranks; a one-line ValueError naming the field otherwise."""
+    spec = strategy(cfg.strategy)
+    if spec.one_process and world != 1:
+        raise ValueError(f"strategy={spec.name!r} runs on one process but world_size={world}; use 'ddp' (or "
+                         "another strategy) for several ranks")
+    given: dict[str, int] = {}
+    for dim, name in spec.degrees:
+        value = getattr(cfg, name) or (spec.unset if dim != spec.rest else 0)  # 0: not given
+        if value:
+            given[dim] = value
+        if value > 0 and world % value:
+            raise ValueError(f"{name}={value} must divide world_size={world}: {WHY.get(dim, '')}".rstrip(": "))
+    rest = [d for d, v in given.items() if v == -1]
+    if len(rest) > 1:
+        raise ValueError(f"{' and '.join(f'{d}=-1' for d in rest)}: only one degree can take the ranks the others "
+                         "leave; give the others as numbers")
+    if rest == ["ep"]:  # ep is carved out of dp_shard: the ranks left shard the weights and split the experts
+        if "dp_shard" in given:
+            raise ValueError(f"ep=-1 with dp_shard={given['dp_shard']}: ep is carved out of dp_shard, so -1 "
+                             "cannot take the ranks left; give ep as a number")
+        given["dp_shard"], rest = -1, ["dp_shard"]
+    elif given.get("ep", 1) > 1 and spec.rest != "dp_shard" and "dp_shard" not in given:
+        given["dp_shard"] = given["ep"]  # ep is carved out of dp_shard (torchtitan): the least that holds it
+    if not rest and spec.rest not in given:
+        given[spec.rest], rest = -1, [spec.rest]
+    # ep spans no ranks of its own: it is carved out of dp_shard (labkit.parallel.degrees)
+    others = math.prod(v for d, v in given.items() if d not in (*rest, "ep"))
+    if rest:
+        if world % others:
+            known = Degrees(**{d: v for d, v in given.items() if d not in (*rest, "ep")})
+            raise ValueError(f"the degrees {known.label()} multiply to {others}, which does not divide "
+                             f"world_size={world}: the ranks left over form the {rest[0]} dimension")
+        given[rest[0]] = world // others
+    if given.get("ep") == -1:
+        given["ep"] = given["dp_shard"]
+    degrees = Degrees(**given)
+    degrees.check(world)
+    if spec.teaching and degrees.world > 1 and max(getattr(degrees, d) for d in DIMS) != world:
+        raise ValueError(f"strategy={spec.name!r} is written by hand for one dimension only: its degree must be "
+                         f"world_size={world}, here {degrees.label()}; strategy 'mesh' composes the library versions")
+    return degrees
