@@ -116,14 +116,14 @@ lab-ui: $(STAMP) $(LAB_SETTINGS)
 
 # The graded exercises at the end of every lab, as nbgrader assignments (book/instructors.md).
 assignments: $(STAMP)
-	$(PY) -m labkit.labs.assignments
+	$(PY) -m labkit.course.assignments
 
-# A JupyterHub for a class on one machine (labkit/labs/hub.py, book/instructors.md): run as root; users
-# are added with `python -m labkit.labs.hub add`. Everything it keeps is in HUB_STATE.
+# A JupyterHub for a class on one machine (labkit/course/hub.py, book/instructors.md): run as root; users
+# are added with `python -m labkit.course.hub add`. Everything it keeps is in HUB_STATE.
 HUB_STATE ?= /srv/labkit-hub
 HUB_OPTS ?=
 hub: $(STAMP)
-	$(PY) -m labkit.labs.hub serve --state $(HUB_STATE) $(HUB_OPTS)
+	$(PY) -m labkit.course.hub serve --state $(HUB_STATE) $(HUB_OPTS)
 
 # On a GPU node or hub image: no set-up, so it runs where CUDA torch is installed and no registry is
 # reachable (.venv's Python when there is one, else python3 with labkit on the path). It ends within

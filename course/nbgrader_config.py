@@ -10,11 +10,11 @@ from nbgrader.preprocessors import GetGrades
 from sqlalchemy.exc import SAWarning
 
 try:
-    from labkit.labs.collect import OwnedCollect
-    from labkit.labs.feedback import FeedbackWithoutHiddenTests
-    from labkit.labs.grading_config import sandboxed_grading
-    from labkit.labs.student_labs import CODE_STUB, TEXT_STUB
-    from labkit.labs.submit import WholeSubmit
+    from labkit.course.collect import OwnedCollect
+    from labkit.course.feedback import FeedbackWithoutHiddenTests
+    from labkit.course.grading_config import sandboxed_grading
+    from labkit.course.student_labs import CODE_STUB, TEXT_STUB
+    from labkit.course.submit import WholeSubmit
 except ImportError as e:  # traitlets would log it and go on without this file: feedback with hidden tests
     raise SystemExit(f"course/nbgrader_config.py needs labkit (pip install -e the course): {e}") from None
 
@@ -29,17 +29,17 @@ c.Exchange.root = os.environ.get("NBGRADER_EXCHANGE", "/srv/nbgrader/exchange")
 c.Exchange.timezone = "UTC"
 # Each student's own submission: nbgrader collects the newest filed under a name, whoever made it
 # (`nbgrader submit --student=NAME`); this collect leaves out a folder its owner filed under another
-# name (labkit/labs/collect.py).
+# name (labkit/course/collect.py).
 c.ExchangeFactory.collect = OwnedCollect
 # Whole notebooks only: a Submit pressed during a save would file one cut short, which autograde
-# cannot read; this submit waits for the save, and refuses what does not read whole (labkit/labs/submit.py).
+# cannot read; this submit waits for the save, and refuses what does not read whole (labkit/course/submit.py).
 c.ExchangeFactory.submit = WholeSubmit
 
 # A submission is a student's code: autograde runs each in a fresh kernel inside a sandbox (bubblewrap)
 # that sees a copy of that submission and nothing of the course, the gradebook, the exchange or the
-# grader's home, has no network and no token, and leaves no process behind (labkit/labs/sandbox.py).
+# grader's home, has no network and no token, and leaves no process behind (labkit/course/sandbox.py).
 # Autograde also restores every locked cell from the gradebook and warns only for one the student
-# edited: nbgrader's own warns for every untouched hidden-tests cell (labkit/labs/overwrite.py).
+# edited: nbgrader's own warns for every untouched hidden-tests cell (labkit/course/overwrite.py).
 sandboxed_grading(c)
 # nbgrader's gradebook builds a submission's rows before it adds them to the session; SQLAlchemy 2
 # warns when a query flushes in between, and nbgrader then adds and commits them (api.py,
@@ -62,5 +62,5 @@ c.ClearSolutions.code_stub = {"python": CODE_STUB}
 c.ClearSolutions.text_stub = TEXT_STUB
 
 # Feedback: nbgrader's own two steps, and between them the hidden tests taken out again (nbgrader
-# leaves them in by design, jupyter/nbgrader#917); labkit/labs/feedback.py says how.
+# leaves them in by design, jupyter/nbgrader#917); labkit/course/feedback.py says how.
 c.GenerateFeedback.preprocessors = [GetGrades, FeedbackWithoutHiddenTests, CSSHTMLHeaderPreprocessor]

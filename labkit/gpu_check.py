@@ -1,7 +1,7 @@
-"""``python3 -m labkit.gpu_check`` (``make gpu-check``): the GPU node check, :mod:`labkit.labs.gpu_check`."""
+"""``python3 -m labkit.gpu_check`` (``make gpu-check``): the GPU node check, :mod:`labkit.course.gpu_check`."""
 import sys
 
-from labkit.labs.gpu_check import main
+from labkit.course.gpu_check import main
 
 if __name__ == "__main__":
     sys.exit(main())

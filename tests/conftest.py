@@ -37,8 +37,8 @@ def lab_metrics() -> dict:
 
 @pytest.fixture(scope="session")
 def grading_sandbox() -> None:
-    """Autograde runs every submission in bubblewrap (labkit/labs/sandbox.py): without it, it refuses."""
-    from labkit.labs.sandbox import SandboxedKernelManager, SandboxRefused, check_bwrap
+    """Autograde runs every submission in bubblewrap (labkit/course/sandbox.py): without it, it refuses."""
+    from labkit.course.sandbox import SandboxedKernelManager, SandboxRefused, check_bwrap
 
     try:
         check_bwrap(SandboxedKernelManager().bwrap)

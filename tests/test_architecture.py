@@ -34,7 +34,7 @@ def test_every_sub_package_sits_in_a_layer():
 
 
 # Entry points by module name (python -m labkit.X), each calling one sub-package's main
-ENTRY_POINTS = {"gpu_check.py": "labkit.labs.gpu_check"}
+ENTRY_POINTS = {"gpu_check.py": "labkit.course.gpu_check"}
 
 
 def test_only_entry_points_stay_flat():

@@ -18,7 +18,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.labs.assignments import BOOK_ONLY, COURSE_DIR, exercise_cells, generate, main, nbgrader, source_notebook
+from labkit.course.assignments import BOOK_ONLY, COURSE_DIR, exercise_cells, generate, main, nbgrader, source_notebook
 from labkit.labs import LABS_DIR, list_labs
 
 LABS = list_labs()
@@ -74,7 +74,7 @@ def _split(labs: list[str]) -> list[list[str]]:
 
 def _autograde(course: Path, *args: str) -> str:
     """``nbgrader autograde ARGS``, its log. Each kernel runs in the course's sandbox and talks to
-    nbgrader over unix sockets (labkit/labs/sandbox.py): two graders side by side race for no port."""
+    nbgrader over unix sockets (labkit/course/sandbox.py): two graders side by side race for no port."""
     return nbgrader(course, "autograde", *args)
 
 
@@ -223,7 +223,7 @@ def test_release_has_stubs_and_no_solutions_or_hidden_tests(graded):
 
 def test_feedback_shows_the_score_and_no_hidden_test(graded):
     """nbgrader leaves hidden tests in the feedback by design (jupyter/nbgrader#917); the course's
-    config takes them out again, and the failing line out of a traceback (labkit/labs/feedback.py)."""
+    config takes them out again, and the failing line out of a traceback (labkit/course/feedback.py)."""
     import html
 
     for lab in ("memory", "data_parallel"):

@@ -212,7 +212,7 @@ def test_every_lab_page_launches_the_lab_on_the_hub_and_downloads_its_notebook(b
     import urllib.request
     from urllib.parse import urljoin
 
-    from labkit.labs.student_labs import launch_url
+    from labkit.course.student_labs import launch_url
 
     hub = HUB
     page = browser.new_page(viewport={"width": 1280, "height": 900})

@@ -654,7 +654,7 @@ def test_image_and_venv_give_students_the_same_jupyterlab():
     assert viewers == {"markdown": "Jupytext Notebook", "myst": "Jupytext Notebook"}
     # every lab and every student notebook names that kernel
     from labkit.labs import LABS_DIR, list_labs
-    from labkit.labs.assignments import KERNELSPEC
+    from labkit.course.assignments import KERNELSPEC
     for lab in list_labs():
         assert jupytext.read(LABS_DIR / f"{lab}.md").metadata["kernelspec"]["name"] == "labkit", lab
     assert KERNELSPEC["name"] == "labkit"

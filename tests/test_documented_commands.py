@@ -40,7 +40,7 @@ RULES: list[tuple[str, str]] = [
     (r"make book HUB_URL=https://\S+$", "dry"),  # test_book builds the book for a hub, as this does
     (r"make (lab-ui|serve|assignments|venv)( LAB_UI_OPTS=.*)?$", "dry"),
     (r"make hub( HUB_OPTS=.*)?$", "dry"),
-    (r"python -m labkit\.labs\.hub (add|serve)\b", "help"),  # as root it makes users: tests/test_hub.py runs them
+    (r"python -m labkit\.course\.hub (add|serve)\b", "help"),  # as root it makes users: tests/test_hub.py runs them
     (r"(jupytext|papermill) ", "papermill-path"),
     (r"make lab LAB=\w+ PROFILE=(cpu|ci)$", "dry"),
     (r"make lab LAB=\w+ PROFILE=gpu$", "gpu"),
@@ -62,8 +62,8 @@ RULES: list[tuple[str, str]] = [
     (r"python -m labkit compare .*SITE_BASELINE", "help"),
     (r"python -m labkit(\.\w+)?$", "help"),  # the entry point named in prose
     (r"python -m labkit\.train (?!--help$|--list-strategies$)", "help"),  # its flags named in prose
-    (r"python -m labkit\.labs\.assignments", "help"),
-    (r"python -m labkit\.labs\.student_labs$", "help"),
+    (r"python -m labkit\.course\.assignments", "help"),
+    (r"python -m labkit\.course\.student_labs$", "help"),
     (r"python -m labkit(\.\w+)? .*(\.\.\.|\bLAB\b|\bPROFILE\b|\bK\b|\{|\]|\"$|OUT\b|N\b)", "help"),
     (r"python -m labkit(\.\w+)?( .*)?$", "run"),
 ]
@@ -166,7 +166,7 @@ def _help(module: str) -> str:
 def test_templates_name_an_entry_point_and_flags_that_exist(command):
     words = shlex.split(command.replace("...", " ").replace("{", " ").replace("}", " ").replace("]", " "))
     module = words[2]  # `python -m labkit run ...`: the subcommand's own --help names its flags
-    sub = len(words) > 3 and words[3].isalpha() and module in ("labkit", "labkit.labs.hub")
+    sub = len(words) > 3 and words[3].isalpha() and module in ("labkit", "labkit.course.hub")
     text = _help(f"{module} {words[3]}" if sub else module)
     flags = {w.split("=")[0] for w in words if w.startswith("--")}
     absent = [f for f in flags if f not in text]

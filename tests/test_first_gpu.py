@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from labkit.core.model import GPTConfig
-from labkit.labs.gpu_items import Setting
+from labkit.course.gpu_items import Setting
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # inside_device lab are a skip naming what is missing, not a failure deep in a compile.
 def test_torch_compile_without_its_tools_is_a_skip_that_names_them(monkeypatch, tmp_path):
     from labkit.device import fusion
-    from labkit.labs.gpu_items_device import device
+    from labkit.course.gpu_items_device import device
     from labkit.labs.script import LabSkipped, run_script
 
     monkeypatch.setattr(fusion, "toolchain", lambda: {"c_compiler": "/usr/bin/gcc", "python_headers": True,
@@ -46,8 +46,8 @@ def test_torch_compile_without_its_tools_is_a_skip_that_names_them(monkeypatch, 
 
 # Item 3: on one GPU the FSDP items trained one process without FSDP2 and passed.
 def test_on_one_gpu_fsdp2_itself_is_checked_and_nothing_passes_as_fsdp_that_is_not():
-    from labkit.labs.gpu_items import strategy_configs
-    from labkit.labs.gpu_items_parallel import fsdp2
+    from labkit.course.gpu_items import strategy_configs
+    from labkit.course.gpu_items_parallel import fsdp2
     from labkit.train import TrainConfig
     from labkit.train.validate import validate
 
@@ -123,7 +123,7 @@ def test_the_mesh_splits_the_world_once_and_cuts_its_views_from_it():
 
 # Item 8: --gpus all on a MIG GPU, under a scheduler's allocation, in nvidia-smi's order.
 def test_the_hub_pool_is_the_allocation_or_the_uuids_mig_slices_included(tmp_path, monkeypatch, capsys):
-    from labkit.labs.hub import _gpu_pool
+    from labkit.course.hub import _gpu_pool
 
     smi = tmp_path / "nvidia-smi"
     smi.write_text("#!/bin/sh\ncat <<'X'\nGPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-aa-0)\n"
@@ -141,7 +141,7 @@ def test_the_hub_pool_is_the_allocation_or_the_uuids_mig_slices_included(tmp_pat
 # Item 9: an A100 has no FP8 units and torch._scaled_mm raises there.
 def test_without_fp8_units_the_fp8_gemm_is_emulated_and_the_item_skips(monkeypatch):
     from labkit.device import fp8
-    from labkit.labs.gpu_items_device import _fp8_gemm
+    from labkit.course.gpu_items_device import _fp8_gemm
 
     def no_kernel(*args, **kwargs):
         raise RuntimeError("torch._scaled_mm is only supported on CUDA devices with compute capability >= 9.0")
@@ -156,7 +156,7 @@ def test_without_fp8_units_the_fp8_gemm_is_emulated_and_the_item_skips(monkeypat
 
 # Item 2's mechanism: an item or a lab past its seconds is stopped with everything it started.
 def test_a_child_past_its_budget_is_stopped_with_what_it_started():
-    from labkit.labs.gpu_budget import run_apart
+    from labkit.course.gpu_budget import run_apart
 
     code = ("import subprocess, sys, time\n"
             "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"

@@ -192,7 +192,7 @@ def _planner(monkeypatch) -> Command:
 
 
 def _gpu_check(monkeypatch) -> Command:
-    from labkit.labs.gpu_check import _parser, _setting
+    from labkit.course.gpu_check import _parser, _setting
 
     ap = _parser()
     return Command(GPU_CHECK_TAKES, {f: lambda v, f=f: ["--device", "cpu", f, v] for f in _value_flags(ap)},
@@ -200,7 +200,7 @@ def _gpu_check(monkeypatch) -> Command:
 
 
 def _assignments(monkeypatch) -> Command:
-    import labkit.labs.assignments as assignments
+    import labkit.course.assignments as assignments
 
     monkeypatch.setattr(assignments, "write_sources", lambda labs, course: [course / lab for lab in labs])
     return Command(ASSIGNMENTS_TAKES, {"--course": lambda v: ["memory", "--course", v, "--source-only"],
@@ -208,7 +208,7 @@ def _assignments(monkeypatch) -> Command:
 
 
 def _hub(monkeypatch) -> Command:
-    import labkit.labs.hub as hub
+    import labkit.course.hub as hub
 
     monkeypatch.setattr(hub, "serve", lambda state, settings: None)  # a taken value starts no hub
     monkeypatch.setattr(hub, "add_users", lambda *a: None)  # nor makes a user

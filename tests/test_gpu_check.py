@@ -12,8 +12,8 @@ import torch
 
 from labkit.labs import PROFILES, list_labs, resolve
 from labkit.labs.cli import main as labs_main
-from labkit.labs.gpu_check import _guarded
-from labkit.labs.gpu_items import Setting, strategy_configs
+from labkit.course.gpu_check import _guarded
+from labkit.course.gpu_items import Setting, strategy_configs
 from labkit.labs.profiles import GPU_CHECK
 from labkit.train import STRATEGIES
 
@@ -56,14 +56,14 @@ def test_gpu_check_without_cuda_is_one_sentence_and_exit_2():
 
 
 def test_gpu_check_on_a_python_without_torch_is_one_sentence_and_exit_2():
-    code = "import sys; sys.modules['torch'] = None\nfrom labkit.labs.gpu_check import main\nsys.exit(main([]))"
+    code = "import sys; sys.modules['torch'] = None\nfrom labkit.course.gpu_check import main\nsys.exit(main([]))"
     proc = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.count("\n") == 1 and "has no PyTorch" in proc.stderr
 
 
 def test_missing_packages_skip_with_their_name(monkeypatch):
-    import labkit.labs.gpu_items as items
+    import labkit.course.gpu_items as items
 
     monkeypatch.setattr(items, "has", lambda package: package != "deepspeed")
     configs, skipped = strategy_configs(Setting("cpu", 2, 2))
@@ -88,7 +88,7 @@ def test_missing_packages_skip_with_their_name(monkeypatch):
 def test_a_lab_that_needs_a_missing_package_is_a_skip_and_a_failure_keeps_why(tmp_path):
     """Issue 27, items 2 and 8: LabSkipped (a RuntimeError) was reported as FAIL; a failure on a rank
     kept only "1 rank(s) failed: [0]"."""
-    from labkit.labs.gpu_check import report
+    from labkit.course.gpu_check import report
     from labkit.labs.script import LabSkipped
     from labkit.launch import RankError
 
@@ -114,7 +114,7 @@ def test_a_lab_that_needs_a_missing_package_is_a_skip_and_a_failure_keeps_why(tm
 
 
 def items_environment():
-    from labkit.labs.gpu_machine import environment
+    from labkit.course.gpu_machine import environment
 
     (env,) = environment(Setting("cpu", 2, 2))
     return env
@@ -249,7 +249,7 @@ def test_what_the_check_starts_can_import_labkit_from_an_uninstalled_checkout(tm
     """Issue 27, item 7: `python3 -m labkit.gpu_check` from a checkout finds labkit in its working
     directory, but torchrun's workers and a lab's child processes did not: PYTHONPATH now names it."""
     code = ("import os\n"
-            "from labkit.labs.gpu_check import main\n"
+            "from labkit.course.gpu_check import main\n"
             f"main(['--device', 'cpu', '--only', 'environment', '--out', {str(tmp_path)!r}])\n"
             "print(os.environ['PYTHONPATH'].split(os.pathsep)[0])\n")
     proc = subprocess.run([sys.executable, "-c", code], env={**ENV, "PYTHONPATH": "/elsewhere"}, cwd=tmp_path,
@@ -266,7 +266,7 @@ def test_what_the_check_starts_can_import_labkit_from_an_uninstalled_checkout(tm
 def test_on_one_gpu_what_needs_two_is_a_skip_not_a_pass():
     """Issue 27, item 11: at world size 1, ddp, tp, cp, the hand-written strategies and the context
     item passed without a single collective: PASS lines that tested nothing."""
-    from labkit.labs.gpu_items_parallel import context, experts
+    from labkit.course.gpu_items_parallel import context, experts
 
     configs, skipped = strategy_configs(Setting("cpu", 1, 2))  # the rule is the same on CUDA
     assert not configs  # fsdp too: labkit trains one rank without FSDP2 (issue 45, item 3: the item "fsdp2")
@@ -334,7 +334,7 @@ def test_each_lab_runs_in_a_process_of_its_own_and_a_failure_says_why(tmp_path):
     """Issue 27, item 9: labs ran inside the check's process and inherited its state (deterministic
     mode, the recorded values, earlier labs' GPU tensors). The bare-image rehearsal below runs every
     lab this way; here, what a lab's failure reports."""
-    from labkit.labs.gpu_check import LabFailed, cause, run_lab_apart
+    from labkit.course.gpu_check import LabFailed, cause, run_lab_apart
 
     with pytest.raises(LabFailed) as e:
         run_lab_apart("strategy_cost", "ci", tmp_path, {"stepz": 3}, True, None)
@@ -362,10 +362,10 @@ def test_the_check_keeps_to_its_budget_and_says_what_it_did_not_run(tmp_path, mo
     cpu profile on CPU processes, and a report of skips said "passed or skipped". Now a lab past its
     seconds is OVER (stopped, its ranks too), one needing more GPUs a SKIP naming how many, one the
     budget has no time for a SKIP saying so, and the summary counts the labs that ran their code."""
-    from labkit.labs import gpu_budget
-    from labkit.labs.gpu_budget import Budget
-    from labkit.labs.gpu_check import summary
-    from labkit.labs.gpu_labs import lab_items
+    from labkit.course import gpu_budget
+    from labkit.course.gpu_budget import Budget
+    from labkit.course.gpu_check import summary
+    from labkit.course.gpu_labs import lab_items
 
     monkeypatch.setattr(gpu_budget, "FULL_S", 1.0)  # less than a Python with torch takes to start
     (over,) = lab_items(Setting("cpu", 2, 2), ["strategy_cost"], "ci", tmp_path, True, Budget(None))
@@ -459,7 +459,7 @@ def test_the_check_on_a_bare_image_runs_every_item_and_lab_within_its_budget(tmp
     report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     bad = [(i["name"], i["status"], i["detail"]) for i in report["items"] if i["status"] in ("fail", "over")]
     assert proc.returncode == 0 and not bad, (bad, proc.stderr[-3000:])
-    from labkit.labs.gpu_budget import TOTAL_S
+    from labkit.course.gpu_budget import TOTAL_S
 
     assert report["seconds"] <= report["budget"] == TOTAL_S["cpu"], (report["seconds"], report["budget"])
     allowed = ("needs the package", "needs CUDA", "needs >= 2 GPUs", "see the item")

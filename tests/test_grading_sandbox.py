@@ -1,4 +1,4 @@
-"""Autograde runs a hostile submission in its sandbox (labkit/labs/sandbox.py), and nothing leaks.
+"""Autograde runs a hostile submission in its sandbox (labkit/course/sandbox.py), and nothing leaks.
 
 The payload is the one an adversarial pass ran on the hub (issue 43, item 1): its answer cell copies
 the assignment's source where a student could read it, appends a line to the course's
@@ -21,8 +21,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.labs.assignments import COURSE_DIR, generate, nbgrader
-from labkit.labs.sandbox import SandboxedKernelManager, SandboxRefused, check_bwrap
+from labkit.course.assignments import COURSE_DIR, generate, nbgrader
+from labkit.course.sandbox import SandboxedKernelManager, SandboxRefused, check_bwrap
 
 LAB = "memory"
 TOKEN = "s3cr3t-grader-token-0451"

@@ -33,8 +33,8 @@ import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from labkit.core.ports import listen_port
-from labkit.labs.hub_limits import cgroup_paths, cgroup_v2
-from labkit.labs.student_labs import launch_url
+from labkit.course.hub_limits import cgroup_paths, cgroup_v2
+from labkit.course.student_labs import launch_url
 
 ROOT = Path(__file__).resolve().parent.parent
 SHOTS = ROOT / "_build" / "screenshots" / "hub"
@@ -78,7 +78,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def hub(tmp_path_factory):
     if os.geteuid() != 0 or not all(shutil.which(t) for t in ("useradd", "runuser", "chpasswd")):
         pytest.skip("the hub makes unix users and starts servers as them: it needs root (CI runs as root)")
-    from labkit.labs.hub_state import prepare_state
+    from labkit.course.hub_state import prepare_state
 
     shutil.rmtree(SHOTS, ignore_errors=True)  # this run's steps only
     SHOTS.mkdir(parents=True)
@@ -91,7 +91,7 @@ def hub(tmp_path_factory):
         for role, names in (("instructor", [TEACH]), ("student", [ALICE, BOB])):
             made += names
             # as the chapter has it: `export HUB_STATE=...`, then `add` with no --state (issue 44, item 4)
-            added = subprocess.run([sys.executable, "-m", "labkit.labs.hub", "add", "--role", role,
+            added = subprocess.run([sys.executable, "-m", "labkit.course.hub", "add", "--role", role,
                                     "--password-stdin", *names], input=PASSWORD + "\n", text=True, cwd=ROOT,
                                    capture_output=True, env={**os.environ, "HUB_STATE": str(state)})
             assert added.returncode == 0, added.stderr[-2000:]
@@ -129,7 +129,7 @@ def hub(tmp_path_factory):
 
 def _as(hub, user: str, *cmd: str, cwd: Path | None = None, ok: bool = True) -> subprocess.CompletedProcess:
     """``cmd`` as ``user`` in the environment the hub gives that user's terminals."""
-    from labkit.labs.hub import terminal_env
+    from labkit.course.hub import terminal_env
 
     env = {**terminal_env(hub["state"], user), "LABKIT_THREADS": "1"}
     home = Path(env["HOME"])

@@ -91,7 +91,7 @@ def test_the_image_lists_every_lab_and_runs_one_from_a_home_folder(image, tmp_pa
     # make runs with the image's Python: no .venv is made
     proc = subprocess.run(["make", "-n", "--no-print-directory", "assignments"], cwd=image, env=_env(image),
                           capture_output=True, text=True)
-    assert proc.returncode == 0 and proc.stdout.strip() == "python -m labkit.labs.assignments", proc.stdout
+    assert proc.returncode == 0 and proc.stdout.strip() == "python -m labkit.course.assignments", proc.stdout
 
 
 def test_without_labs_every_entry_point_says_so(tmp_path):
@@ -171,7 +171,7 @@ def test_each_server_is_its_persons_own_uid_and_only_an_instructors_knows_everyo
 def test_pods_become_their_person_and_the_exchange_keeps_them_apart(image, servers):
     """A term through the exchange: Ines releases, Alice and Bob fetch and submit, then Bob submits
     again under Alice's name; Ines's collect takes each student's own, and says what it left out."""
-    from labkit.labs.hub_install import BUILD, library_path, users_tools
+    from labkit.course.hub_install import BUILD, library_path, users_tools
 
     python = users_tools()  # in the image, its own Python; here, one every user may run
     root = image.parents[1]  # the image's /
@@ -192,7 +192,7 @@ def test_pods_become_their_person_and_the_exchange_keeps_them_apart(image, serve
                     raise
         exchange, labs = base / "exchange", base / "student-labs"
         exchange.mkdir()  # a new volume: root's, 755
-        subprocess.run([sys.executable, "-m", "labkit.labs.student_labs", str(labs)], check=True, capture_output=True)
+        subprocess.run([sys.executable, "-m", "labkit.course.student_labs", str(labs)], check=True, capture_output=True)
         (base / "home-alice" / "labs").mkdir(parents=True)
         (base / "home-alice" / "labs" / "memory.ipynb").write_text("Alice's work")
         # (root's here: hers from an earlier start, under the uid of an earlier hub database)
@@ -246,8 +246,8 @@ def test_pods_become_their_person_and_the_exchange_keeps_them_apart(image, serve
             assert (home.st_uid, home.st_mode & 0o777) == (int(env["NB_UID"]), 0o700)
         # the labs in their student form, the image's (its RUN step writes where labkit-start reads),
         # and Alice's own copy kept
-        (run,) = [a for o, a in _instructions() if o == "RUN" and "labkit.labs.student_labs" in a]
-        folder = re.search(r"python -m labkit\.labs\.student_labs (\S+)", run)[1]
+        (run,) = [a for o, a in _instructions() if o == "RUN" and "labkit.course.student_labs" in a]
+        folder = re.search(r"python -m labkit\.course\.student_labs (\S+)", run)[1]
         assert f"LABKIT_STUDENT_LABS:-{folder}}}" in (root / "usr/local/bin/labkit-start").read_text()
         copied = sorted((base / "home-alice" / "labs").glob("*.ipynb"))
         assert [p.stem for p in copied] == sorted(p.stem for p in (ROOT / "labs").glob("*.md"))
@@ -269,8 +269,8 @@ def uses_the_courses_exchange(*folders: Path) -> bool:
         import sys
         from nbgrader.exchange import ExchangeFactory
         from traitlets.config.loader import PyFileConfigLoader
-        from labkit.labs.collect import OwnedCollect
-        from labkit.labs.submit import WholeSubmit
+        from labkit.course.collect import OwnedCollect
+        from labkit.course.submit import WholeSubmit
         factories = [ExchangeFactory(config=PyFileConfigLoader("nbgrader_config.py", f).load_config())
                      for f in sys.argv[1:]]
         print([x.collect is OwnedCollect and x.submit is WholeSubmit for x in factories])
@@ -287,8 +287,8 @@ def grades_in_the_sandbox(*folders: Path, env: dict | None = None) -> list[bool]
         import sys
         from nbgrader.converters import Autograde
         from traitlets.config.loader import PyFileConfigLoader
-        from labkit.labs.overwrite import OverwriteCellsAsReleased
-        from labkit.labs.sandbox import SandboxedKernelManager
+        from labkit.course.overwrite import OverwriteCellsAsReleased
+        from labkit.course.sandbox import SandboxedKernelManager
         out = []
         for f in sys.argv[1:]:
             grader = Autograde(config=PyFileConfigLoader("nbgrader_config.py", f).load_config())

@@ -20,7 +20,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.labs.hub_limits import cgroup_v2, exchange_on_its_own_disk, limit_server, remove_cgroup
+from labkit.course.hub_limits import cgroup_v2, exchange_on_its_own_disk, limit_server, remove_cgroup
 from labkit.labs.runner import LABS_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +37,7 @@ def _as(user: str, *cmd: str, **kw) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    from labkit.labs.hub_state import add_users, prepare_state
+    from labkit.course.hub_state import add_users, prepare_state
 
     state = Path("/tmp") / f"labkit-safety-{_RUN}"  # the users reach /tmp, not pytest's folder under /root
     etc = Path("/etc") / f"labkit-safety-{_RUN}"  # root's own: what an attack would make root write to
@@ -61,7 +61,7 @@ def _home(user: str) -> Path:
 
 
 def test_root_fills_a_home_as_its_person_and_follows_no_link(hub):
-    from labkit.labs.hub_home import home_for
+    from labkit.course.hub_home import home_for
 
     state, target = hub["state"], hub["etc"] / "labs-target"
     target.mkdir(parents=True)
@@ -81,7 +81,7 @@ def test_root_fills_a_home_as_its_person_and_follows_no_link(hub):
 
 
 def test_the_state_folder_is_never_written_through_a_link(hub):
-    from labkit.labs.hub_state import prepare_state
+    from labkit.course.hub_state import prepare_state
 
     state, planted, kept = hub["state"], hub["etc"] / "config-planted", hub["etc"] / "config-kept"
     config = state / "course" / "nbgrader_config.py"
@@ -107,7 +107,7 @@ def test_a_state_folder_others_can_write_is_refused_in_one_line(tmp_path):
     state.mkdir(mode=0o777)
     state.chmod(0o777)
     try:
-        out = subprocess.run([sys.executable, "-m", "labkit.labs.hub", "add", "--state", str(state), "--role",
+        out = subprocess.run([sys.executable, "-m", "labkit.course.hub", "add", "--state", str(state), "--role",
                               "student", "nobodyhere"], capture_output=True, text=True, cwd=ROOT)
         assert out.returncode == 2 and "--state=" in out.stderr and "writable by root only" in out.stderr, out.stderr
         assert len(out.stderr.strip().splitlines()) <= 2, out.stderr  # usage line + the error
@@ -123,7 +123,7 @@ def test_add_refuses_system_accounts_and_homes_outside_the_home_root(hub, accoun
         subprocess.run(["useradd", "--create-home", "--home-dir", str(home), name], check=True, capture_output=True)
     before = home.lstat().st_mode if home.exists() else None
     try:
-        out = subprocess.run([sys.executable, "-m", "labkit.labs.hub", "add", "--state", str(hub["state"]), "--role",
+        out = subprocess.run([sys.executable, "-m", "labkit.course.hub", "add", "--state", str(hub["state"]), "--role",
                               "student", name], capture_output=True, text=True, cwd=ROOT)
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
         assert ("system account" if account != "outside" else "not a folder directly under") in out.stderr
@@ -136,7 +136,7 @@ def test_add_refuses_system_accounts_and_homes_outside_the_home_root(hub, accoun
 
 def test_the_roster_always_reads_whole_while_people_are_added(hub):
     """A login reads roster.json while `hub add` writes it: every read is a whole roster."""
-    from labkit.labs.hub_state import add_users
+    from labkit.course.hub_state import add_users
 
     reader = subprocess.Popen(
         [sys.executable, "-c", "import json, sys, time\nbad = n = 0\nend = time.monotonic() + 600\n"
@@ -196,7 +196,7 @@ def test_collect_takes_each_submission_as_data(hub, shared_tmp, monkeypatch):
     (bad / "roots.txt").write_text("root's")  # a file in her folder she does not own
     good = _submission(inbound, STU, stamp)
     _as(STU, "sh", "-c", 'echo \'{"cells": []}\' > "$1/memory.ipynb"', "sh", str(good))  # an hour after it was filed
-    from labkit.labs.assignments import nbgrader
+    from labkit.course.assignments import nbgrader
 
     monkeypatch.setenv("NBGRADER_EXCHANGE", str(exchange))
     log = nbgrader(course, "collect", "memory", "--CourseDirectory.max_file_size=100")  # raises unless it exits 0
@@ -234,7 +234,7 @@ def test_a_server_reaches_only_its_gpu_and_its_process_limit(hub, gpu_nodes):
              "    except OSError as e:\n        print(m, errno.errorcode[e.errno])\nps = []\ntry:\n"
              "    for _ in range(200): ps.append(subprocess.Popen(['sleep', '30']))\nexcept OSError as e:\n"
              "    print('pids', len(ps), errno.errorcode[e.errno])\nfor p in ps: p.kill()\n").replace("{d}", str(gpu_nodes))
-    from labkit.labs.hub_install import library_path, users_tools
+    from labkit.course.hub_install import library_path, users_tools
 
     python = users_tools()  # the interpreter the hub's users run
     procs = " ".join(str(p / "cgroup.procs") for p in paths)
@@ -276,6 +276,6 @@ def test_the_exchange_fills_its_own_disk(tmp_path):
 
 
 def test_refused_hub_flags_are_one_line(hub):
-    out = subprocess.run([sys.executable, "-m", "labkit.labs.hub", "serve", "--state", str(hub["state"]), "--pids", "3"],
+    out = subprocess.run([sys.executable, "-m", "labkit.course.hub", "serve", "--state", str(hub["state"]), "--pids", "3"],
                          capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2 and "--pids=3" in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -176,7 +176,7 @@ def test_output_paths_are_checked_before_the_first_step(flags, message, tmp_path
 
 
 @pytest.mark.parametrize("module, argv, message", [
-    ("labkit.labs.gpu_check", ["--device", "cpu", "--only", "environment", "--out", "FILE"], "is a file, not a folder"),
+    ("labkit.course.gpu_check", ["--device", "cpu", "--only", "environment", "--out", "FILE"], "is a file, not a folder"),
     ("labkit.comm.bench", ["--json", "TMP"], "is not a regular file"),
     ("labkit.labs.cli", ["run", "data_parallel", "--out", "FILE"], "is a file, not a folder"),
 ])

@@ -32,7 +32,7 @@ def test_the_hub_keeps_its_api_port_and_replaces_one_it_cannot_use(tmp_path, mon
     import sys
     import types
 
-    from labkit.labs import hub
+    from labkit.course import hub
 
     monkeypatch.setattr(hub, "time", types.SimpleNamespace(sleep=lambda s: None))  # the wait for an old hub
     first = hub._hub_port(tmp_path, taken=())

@@ -1,4 +1,4 @@
-"""The course's nbgrader submit (``labkit/labs/submit.py``) files whole notebooks only.
+"""The course's nbgrader submit (``labkit/course/submit.py``) files whole notebooks only.
 
 Each case runs ``nbgrader submit`` as a student would, in a fresh interpreter (nbgrader imports
 setuptools, which fails where the standard library's distutils was imported first), against an
@@ -32,7 +32,7 @@ def course(tmp_path) -> dict:
         "c.CourseDirectory.course_id = 'c'\n"
         f"c.Exchange.root = {str(exchange)!r}\n"
         f"c.Exchange.cache = {str(tmp_path / 'cache')!r}\n"
-        "c.ExchangeFactory.submit = 'labkit.labs.submit.WholeSubmit'\n")
+        "c.ExchangeFactory.submit = 'labkit.course.submit.WholeSubmit'\n")
     whole = nbformat.writes(nb)
     return {"home": home, "inbound": exchange / "c" / "inbound", "cache": tmp_path / "cache",
             "notebook": home / LAB / f"{LAB}.ipynb", "whole": whole, "cut": whole[: len(whole) // 2],

@@ -11,7 +11,7 @@
   committed), and sphinx-book-theme's JupyterHub button would have nbgitpuller pull the whole
   repository, every solution and hidden test in it, into the student's home. The button opens the
   lab's student form instead, which the course's hub puts in every student's home
-  (:func:`labkit.labs.student_labs.launch_url`; ``make hub`` and ``cluster/jupyterhub`` both do).
+  (:func:`labkit.course.student_labs.launch_url`; ``make hub`` and ``cluster/jupyterhub`` both do).
 * That button exists only when a hub is named: ``make book HUB_URL=https://hub.your.school`` (the
   ``HUB_URL`` environment variable), or ``launch_buttons.jupyterhub_url`` in ``_config.yml``. With
   neither, the pages have no launch button; a placeholder address (``example.org`` and the like) or
@@ -93,7 +93,7 @@ def _dedupe_scripts(app, pagename, templatename, context, doctree) -> None:
 def _launch_the_lab_itself(app, pagename, templatename, context, doctree) -> None:
     if not pagename.startswith("book/labs/"):
         return
-    from labkit.labs.student_labs import launch_url
+    from labkit.course.student_labs import launch_url
 
     for group in context.get("header_buttons", []):
         for button in group.get("buttons", []) if group.get("label") == "launch-buttons" else []:

@@ -1,7 +1,7 @@
 """The hub's state folder, made and kept by root without following anyone's link, and its roster.
 
 ``prepare_state`` makes the folder (root's alone: refused otherwise), the exchange on a file system of
-its own (:func:`labkit.labs.hub_limits.exchange_on_its_own_disk`), the course directory (the
+its own (:func:`labkit.course.hub_limits.exchange_on_its_own_disk`), the course directory (the
 instructors' group's) with its ``nbgrader_config.py`` created by descriptor, and each role's Jupyter
 settings. ``add_users`` enrols people (never a system account) and writes the roster whole.
 """
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from labkit.core.files import write_whole
-from labkit.labs.hub_limits import exchange_on_its_own_disk
+from labkit.course.hub_limits import exchange_on_its_own_disk
 from labkit.labs.runner import LABS_DIR, ROOT
 
 COURSE_ID = "training-at-scale"
@@ -25,17 +25,17 @@ STUDENT_SETTINGS = ROOT / "cluster" / "jupyterhub" / "student"  # Jupyter settin
 GROUP = "labkit-instructors"
 ROLES = ("student", "instructor")
 # what the course's nbgrader_config.py sets for grading: each submission in a sandbox, a warning only
-# for a locked cell the student edited (labkit/labs/sandbox.py, labkit/labs/overwrite.py)
+# for a locked cell the student edited (labkit/course/sandbox.py, labkit/course/overwrite.py)
 TERMINAL_RC = Path("jupyter") / "terminal.bashrc"  # under the state folder
 TERMINAL_RC_TEXT = """\
-# A hub terminal's start (labkit/labs/hub_state.py): what an interactive bash reads, then the course's
+# A hub terminal's start (labkit/course/hub_state.py): what an interactive bash reads, then the course's
 # commands (python, jupyter, nbgrader) first on PATH, as the server has them.
 [ -r /etc/bash.bashrc ] && . /etc/bash.bashrc
 [ -r "$HOME/.bashrc" ] && . "$HOME/.bashrc"
 case ":$PATH:" in *":$LABKIT_HUB_TOOLS:"*) ;; *) PATH="$LABKIT_HUB_TOOLS:$PATH" ;; esac
 export PATH
 """
-INSTRUCTOR_GRADING = ["from labkit.labs.grading_config import sandboxed_grading", "sandboxed_grading(c)"]
+INSTRUCTOR_GRADING = ["from labkit.course.grading_config import sandboxed_grading", "sandboxed_grading(c)"]
 
 
 def _settings(state: Path) -> dict:
@@ -102,8 +102,8 @@ def prepare_state(state: Path, group: str = GROUP, course_id: str = COURSE_ID, e
         folder = state / "jupyter" / role
         folder.mkdir(parents=True, exist_ok=True)
         lines = [f"c.CourseDirectory.course_id = {settings['course']!r}", f"c.Exchange.root = {str(exchange)!r}",
-                 'c.ExchangeFactory.collect = "labkit.labs.collect.OwnedCollect"',  # the formgrader's collect too
-                 'c.ExchangeFactory.submit = "labkit.labs.submit.WholeSubmit"']  # the Assignments panel's submit
+                 'c.ExchangeFactory.collect = "labkit.course.collect.OwnedCollect"',  # the formgrader's collect too
+                 'c.ExchangeFactory.submit = "labkit.course.submit.WholeSubmit"']  # the Assignments panel's submit
         if role == "instructor":
             # ~/course, the link to it in every instructor's home: the formgrader wants the course under
             # the server's root (the home), and says "nbgrader will not work correctly" otherwise
@@ -120,7 +120,7 @@ def prepare_state(state: Path, group: str = GROUP, course_id: str = COURSE_ID, e
         settings_json.setdefault("ServerApp", {})["terminado_settings"] = {
             "shell_command": [shutil.which("bash") or "/bin/bash", "--rcfile", str(state / TERMINAL_RC), "-i"]}
         server.write_text(json.dumps(settings_json, indent=1))
-    from labkit.labs.student_labs import write_student_labs
+    from labkit.course.student_labs import write_student_labs
 
     write_student_labs(state / "student-labs")
     return settings
@@ -133,10 +133,10 @@ def _terminal_rc(state: Path) -> None:
 
 def add_users(state: Path, role: str, names: list[str], password: str | None = None) -> None:
     """Make each name a unix user (if it is not one), give it a private home, and enrol it. An
-    existing account must be a person's (:func:`labkit.labs.hub_home.check_account`)."""
+    existing account must be a person's (:func:`labkit.course.hub_home.check_account`)."""
     settings = prepare_state(state) if not (state / "hub.json").is_file() else _settings(state)
-    from labkit.labs.hub_home import check_account, home_for
-    from labkit.labs.hub_spawner import roster
+    from labkit.course.hub_home import check_account, home_for
+    from labkit.course.hub_spawner import roster
 
     r = roster(state)
     existing = [n for n in names if subprocess.run(["id", "-u", n], capture_output=True).returncode == 0]

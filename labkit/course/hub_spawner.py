@@ -5,12 +5,12 @@
   every login, so a person added while the hub runs can log in at once.
 * :class:`CourseSpawner` is JupyterHub's ``LocalProcessSpawner`` (each server a process of its
   person's unix user) that also, before a server starts: puts the labs in the home (students get
-  their student form, :mod:`labkit.labs.student_labs`; instructors the source and a link to the course
+  their student form, :mod:`labkit.course.student_labs`; instructors the source and a link to the course
   directory), copying only what is missing so nobody's work is overwritten; gives the server one
   device of the GPU pool (``CUDA_VISIBLE_DEVICES``: an index or a MIG UUID) and takes it back when
   the server stops; and puts the server in a cgroup of its own with its CPU, memory, process and GPU
-  limits (:mod:`labkit.labs.hub_limits`). The home is filled as its person, never as root
-  (:mod:`labkit.labs.hub_home`). Students' servers load nbgrader's assignment list and not the
+  limits (:mod:`labkit.course.hub_limits`). The home is filled as its person, never as root
+  (:mod:`labkit.course.hub_home`). Students' servers load nbgrader's assignment list and not the
   formgrader.
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ from jupyterhub.auth import PAMAuthenticator
 from jupyterhub.spawner import LocalProcessSpawner
 from traitlets import Dict, Float, Integer, List, Unicode
 
-from labkit.labs.hub_home import home_for
-from labkit.labs.hub_limits import join_cgroup, limit_server, limits_held, remove_cgroup
+from labkit.course.hub_home import home_for
+from labkit.course.hub_limits import join_cgroup, limit_server, limits_held, remove_cgroup
 
 _IN_USE: dict[str, str] = {}  # GPU -> user whose server holds it (rebuilt from servers' state on restart)
 
@@ -153,7 +153,7 @@ def server_env(state: Path, role: str, home: Path, tools: str, library_path: dic
     return {
         **library_path,
         "PATH": f"{tools}:/usr/local/bin:/usr/bin:/bin",
-        "LABKIT_HUB_TOOLS": tools,  # a terminal's rc file puts them first again (labkit/labs/hub_state.py)
+        "LABKIT_HUB_TOOLS": tools,  # a terminal's rc file puts them first again (labkit/course/hub_state.py)
         "JUPYTER_PATH": os.pathsep.join(jupyter_path),
         # the role's own settings first (nbgrader's exchange and course, which extensions load)
         "JUPYTER_CONFIG_PATH": os.pathsep.join([str(state / "jupyter" / role), jupyter_config]),

@@ -13,9 +13,9 @@ import json
 import sys
 from pathlib import Path
 
-from labkit.labs.gpu_budget import LAB_S, Budget, run_apart
-from labkit.labs.gpu_guard import _guarded
-from labkit.labs.gpu_items import Item, Setting, has, log
+from labkit.course.gpu_budget import LAB_S, Budget, run_apart
+from labkit.course.gpu_guard import _guarded
+from labkit.course.gpu_items import Item, Setting, has, log
 from labkit.labs.parameters import MIN_GPUS
 from labkit.labs.profiles import GPU_CHECK
 from labkit.labs.script import LabSkipped

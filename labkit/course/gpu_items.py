@@ -1,6 +1,6 @@
-"""What ``python -m labkit.gpu_check`` checks, one function per item (:mod:`labkit.labs.gpu_check` runs them).
+"""What ``python -m labkit.gpu_check`` checks, one function per item (:mod:`labkit.course.gpu_check` runs them).
 
-* ``environment`` (in :mod:`labkit.labs.gpu_machine`): versions, every GPU's name, SMs, memory, MIG
+* ``environment`` (in :mod:`labkit.course.gpu_machine`): versions, every GPU's name, SMs, memory, MIG
   mode and datasheet, what torch.compile needs, the optional packages.
 * ``strategies``: every strategy of :data:`labkit.train.STRATEGIES` on all the node's GPUs (tensor and
   pipeline degrees that fit), each loss curve held against one process on the same data; on one GPU

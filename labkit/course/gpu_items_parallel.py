@@ -1,10 +1,10 @@
 """``make gpu-check`` items for FSDP2 on one rank, context parallelism against PyTorch's own API, and
-expert parallelism against one process (see :mod:`labkit.labs.gpu_items` for the rest)."""
+expert parallelism against one process (see :mod:`labkit.course.gpu_items` for the rest)."""
 from __future__ import annotations
 
 from dataclasses import replace
 
-from labkit.labs.gpu_items import LOSS_TOL, Item, Setting, _max_dev
+from labkit.course.gpu_items import LOSS_TOL, Item, Setting, _max_dev
 
 
 def context(s: Setting) -> list[Item]:
@@ -39,7 +39,7 @@ def context(s: Setting) -> list[Item]:
 
 def experts(s: Setting) -> list[Item]:
     """A mixture-of-experts GPT trained with ``--strategy ep`` on the node, against one process."""
-    from labkit.labs.gpu_items import model_for
+    from labkit.course.gpu_items import model_for
     from labkit.launch import launch
     from labkit.train import TrainConfig, train
 
@@ -63,7 +63,7 @@ def fsdp2(s: Setting) -> list[Item]:
     ``--strategy fsdp`` without FSDP2 (nothing to shard over); this is what FSDP2 itself does there."""
     import tempfile
 
-    from labkit.labs.gpu_items import model_for
+    from labkit.course.gpu_items import model_for
     from labkit.launch import launch
 
     with tempfile.TemporaryDirectory() as d:

@@ -1,4 +1,4 @@
-"""Where the one-machine hub's programs come from (:mod:`labkit.labs.hub`).
+"""Where the one-machine hub's programs come from (:mod:`labkit.course.hub`).
 
 * The servers run the course's Python. Where the interpreter behind ``.venv`` is one other users
   may not run (pyenv's under ``/root``), a copy of it goes to ``_build/hub/python`` with ``.venv``'s

@@ -70,7 +70,7 @@ def check_account(name: str) -> pwd.struct_passwd:
 def home_for(user: str, role: str, state: Path, source_labs: Path) -> None:
     """The labs in ``user``'s home (what is there already stays), the home private to them, an
     instructor's ``~/course`` and the course's folder in the exchange: all done as ``user``."""
-    from labkit.labs.hub_install import library_path, users_python, users_tools
+    from labkit.course.hub_install import library_path, users_python, users_tools
 
     pw = check_account(user)
     groups = os.getgrouplist(user, pw.pw_gid)

@@ -6,7 +6,7 @@ jupyter/nbgrader#483). A submitted cell graded that way can read the sources and
 course's ``nbgrader_config.py`` (which every later nbgrader command runs), leave a process behind that
 edits the gradebook, and read the grader's server token from its environment.
 
-:class:`SandboxedKernelManager` (autograde's, by :mod:`labkit.labs.grading_config`) starts each kernel in
+:class:`SandboxedKernelManager` (autograde's, by :mod:`labkit.course.grading_config`) starts each kernel in
 bubblewrap (``bwrap``, the sandbox Flatpak uses; bwrap(1)) with new user, pid, network, IPC and UTS
 namespaces:
 

@@ -1,14 +1,14 @@
 """``python3 -m labkit.gpu_check`` (``make gpu-check``): does this GPU node or hub image run the course?
 
 One command for an instructor on a fresh GPU machine, sized for the minutes a GPU is lent: its first
-lines say what the machine is (:mod:`labkit.labs.gpu_machine`); then it checks every strategy on the
+lines say what the machine is (:mod:`labkit.course.gpu_machine`); then it checks every strategy on the
 node's GPUs against one process, FSDP2 itself on one rank, the precision paths, the speed (MFU) of the
 GPT at GPT-2 small's shape in bf16 with its memory against the calculator, what one device does (its
-roofs, fusion, FP8 GEMMs, FlashAttention: :mod:`labkit.labs.gpu_items_device`), and every lab's
+roofs, fusion, FP8 GEMMs, FlashAttention: :mod:`labkit.course.gpu_items_device`), and every lab's
 ``gpu`` profile trimmed to a few steps (:data:`labkit.labs.profiles.GPU_CHECK`); it prints one
 PASS/FAIL/SKIP/OVER line per item and writes ``gpu_check.json`` and ``gpu_check.md`` into ``--out``.
 
-Each item and lab runs in a process of its own within a time budget (:mod:`labkit.labs.gpu_budget`):
+Each item and lab runs in a process of its own within a time budget (:mod:`labkit.course.gpu_budget`):
 the default run ends within 10 minutes (``--budget``), a part that runs past its own seconds is
 stopped and reported OVER, and what the budget left no time for says so; ``--full`` runs
 everything. A lab that needs more GPUs than the machine has is a SKIP naming how many.
@@ -30,11 +30,11 @@ from pathlib import Path
 
 from labkit.core.checks import at_most, one_of, output_dir, positive_int
 from labkit.core.cli import ArgumentParser
-from labkit.labs import gpu_items, gpu_items_device, gpu_items_parallel, gpu_machine
-from labkit.labs.gpu_budget import ITEM_S, TOTAL_S, Budget, run_apart
-from labkit.labs.gpu_guard import STATUS, _guarded, cause  # noqa: F401 - the check's own names
-from labkit.labs.gpu_items import Item, Setting, log
-from labkit.labs.gpu_labs import LabFailed, lab_items, run_lab_apart  # noqa: F401 - the check's own names
+from labkit.course import gpu_items, gpu_items_device, gpu_items_parallel, gpu_machine
+from labkit.course.gpu_budget import ITEM_S, TOTAL_S, Budget, run_apart
+from labkit.course.gpu_guard import STATUS, _guarded, cause  # noqa: F401 - the check's own names
+from labkit.course.gpu_items import Item, Setting, log
+from labkit.course.gpu_labs import LabFailed, lab_items, run_lab_apart  # noqa: F401 - the check's own names
 from labkit.labs.runner import ROOT, list_labs
 
 ITEMS = ("environment", "strategies", "fsdp2", "context", "experts", "precision", "speed", "device", "determinism",
@@ -43,7 +43,7 @@ ITEM_MARK = "\0labkit-item "  # a finished Item, as a child prints it for the ch
 
 
 # An item in a process of its own (gpu_budget): each Item it finishes goes to stdout as one marked line.
-_ITEM_CHILD = "import sys\nfrom labkit.labs.gpu_check import item_here\nitem_here(sys.argv[1], sys.argv[2])\n"
+_ITEM_CHILD = "import sys\nfrom labkit.course.gpu_check import item_here\nitem_here(sys.argv[1], sys.argv[2])\n"
 
 
 def item_here(name: str, setting: str) -> None:

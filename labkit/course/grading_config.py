@@ -1,8 +1,8 @@
 """The course's autograde settings, one function every nbgrader_config.py calls.
 
 Two of nbgrader's autograde steps are swapped for the course's: the kernel runs in the sandbox
-(:class:`SandboxedExecute`, :mod:`labkit.labs.sandbox`) and locked cells are restored without the
-false alarm on an untouched hidden-tests cell (:mod:`labkit.labs.overwrite`). nbgrader's ``Execute``
+(:class:`SandboxedExecute`, :mod:`labkit.course.sandbox`) and locked cells are restored without the
+false alarm on an untouched hidden-tests cell (:mod:`labkit.course.overwrite`). nbgrader's ``Execute``
 sets ``kernel_manager_class`` itself, over any ``c.Execute.kernel_manager_class`` in a config
 (``nbgrader/preprocessors/execute.py``), so the sandbox comes with a subclass in the preprocessor list,
 not with that setting.
@@ -13,8 +13,8 @@ from typing import Any
 
 from nbgrader.preprocessors import Execute, OverwriteCells
 
-from labkit.labs.overwrite import OverwriteCellsAsReleased
-from labkit.labs.sandbox import SandboxedKernelManager
+from labkit.course.overwrite import OverwriteCellsAsReleased
+from labkit.course.sandbox import SandboxedKernelManager
 
 
 class SandboxedExecute(Execute):

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 from typing import Any
 
-from labkit.labs.gpu_items import OPTIONAL, Item, Setting, _version
+from labkit.course.gpu_items import OPTIONAL, Item, Setting, _version
 
 
 def _mig_modes() -> list[str]:

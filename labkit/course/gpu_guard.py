@@ -6,8 +6,8 @@ import time
 import traceback
 from typing import Callable
 
-from labkit.labs import gpu_items
-from labkit.labs.gpu_items import Item, log
+from labkit.course import gpu_items
+from labkit.course.gpu_items import Item, log
 from labkit.labs.script import LabSkipped, missing
 
 STATUS = {"pass": "PASS", "fail": "FAIL", "skip": "SKIP", "over": "OVER"}  # OVER: stopped at its time budget

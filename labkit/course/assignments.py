@@ -7,7 +7,7 @@ and may hide tests between ``### BEGIN HIDDEN TESTS`` and ``### END HIDDEN TESTS
 committed is therefore the instructor's version, and its exercises run, and pass, inside every
 papermill run of the lab; they are self-contained and take seconds.
 
-``python -m labkit.labs.assignments`` (``make assignments``) copies those cells, behind a header that
+``python -m labkit.course.assignments`` (``make assignments``) copies those cells, behind a header that
 names the lab, into nbgrader *source* notebooks ``course/source/<lab>/<lab>.ipynb`` and runs
 ``nbgrader generate_assignment`` into ``course/release/``: the student notebooks, solutions replaced
 by stubs, hidden tests stripped. ``course/nbgrader_config.py`` makes ``course/`` a course directory
@@ -166,7 +166,7 @@ def generate(labs: list[str] | None = None, course_dir: Path = COURSE_DIR, labs_
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = ArgumentParser(prog="python -m labkit.labs.assignments", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m labkit.course.assignments", description=__doc__.splitlines()[0])
     ap.add_argument("labs", nargs="*", help="lab names (default: all)")
     ap.add_argument("--course", default=str(COURSE_DIR), help="the nbgrader course directory")
     ap.add_argument("--source-only", action="store_true", help="write the source notebooks, skip nbgrader")

@@ -8,13 +8,13 @@ submissions and the gradebook, readable and writable by the instructors' group o
 machine's own unix users with their own passwords and homes (PAM), so the filesystem keeps each
 student's work their own; stopping and starting the hub loses nothing.
 
-    python -m labkit.labs.hub add --role instructor teach        (as root; --password-stdin reads one)
-    python -m labkit.labs.hub add --role student alice bob
-    python -m labkit.labs.hub serve --port 8000 --gpus all       (make hub HUB_OPTS="--gpus all")
+    python -m labkit.course.hub add --role instructor teach        (as root; --password-stdin reads one)
+    python -m labkit.course.hub add --role student alice bob
+    python -m labkit.course.hub serve --port 8000 --gpus all       (make hub HUB_OPTS="--gpus all")
 
-The state folder and the roster: :mod:`labkit.labs.hub_state`; who may log in and what each server
-gets: :mod:`labkit.labs.hub_spawner`; the proxy and the
-users' Python: :mod:`labkit.labs.hub_install`.
+The state folder and the roster: :mod:`labkit.course.hub_state`; who may log in and what each server
+gets: :mod:`labkit.course.hub_spawner`; the proxy and the
+users' Python: :mod:`labkit.course.hub_install`.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from pathlib import Path
 from labkit.core.checks import brief, output_dir
 from labkit.core.cli import ArgumentParser
 from labkit.core.ports import is_free, listen_port
-from labkit.labs.hub_install import PROXY, install, readable_by_all, server_paths, users_python
-from labkit.labs.hub_state import ROLES, _root_only, _save_settings, _settings, add_users, prepare_state
+from labkit.course.hub_install import PROXY, install, readable_by_all, server_paths, users_python
+from labkit.course.hub_state import ROLES, _root_only, _save_settings, _settings, add_users, prepare_state
 from labkit.labs.runner import LABS_DIR, ROOT
 
 CONFIG_FILE = ROOT / "cluster" / "hub" / "jupyterhub_config.py"
@@ -41,7 +41,7 @@ def terminal_env(state: Path, user: str) -> dict[str, str]:
     """The environment the hub gives ``user``'s server, and so their terminals and kernels."""
     import pwd
 
-    from labkit.labs.hub_spawner import role_of, server_env
+    from labkit.course.hub_spawner import role_of, server_env
 
     home = Path(pwd.getpwnam(user).pw_dir)
     paths = server_paths(users_python())
@@ -96,10 +96,10 @@ def configure(c, state: Path) -> None:
     c.JupyterHub.pid_file = str(state / "jupyterhub.pid")
     c.ConfigurableHTTPProxy.command = [str(PROXY)]
     c.ConfigurableHTTPProxy.pid_file = str(state / "proxy.pid")
-    c.JupyterHub.authenticator_class = "labkit.labs.hub_spawner.CourseAuthenticator"
+    c.JupyterHub.authenticator_class = "labkit.course.hub_spawner.CourseAuthenticator"
     c.CourseAuthenticator.state = str(state)
     c.Authenticator.any_allow_config = True  # the roster is the allow list (CourseAuthenticator)
-    c.JupyterHub.spawner_class = "labkit.labs.hub_spawner.CourseSpawner"
+    c.JupyterHub.spawner_class = "labkit.course.hub_spawner.CourseSpawner"
     c.CourseSpawner.state = str(state)
     for trait, value in server_paths(users_python()).items():  # serve() installed them
         setattr(c.CourseSpawner, trait, value)
@@ -173,7 +173,7 @@ def _memory(value: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = ArgumentParser(prog="python -m labkit.labs.hub", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m labkit.course.hub", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     for p in (add := sub.add_parser("add", help="enrol unix users (made if missing)")), \
              (srv := sub.add_parser("serve", help="run the hub (stop with Ctrl-C; state is kept)")):

@@ -8,8 +8,8 @@ docs, "Developing assignments"), drops the cells tagged ``book-only`` (the book'
 which frame the solution) and checks that no delimiter is left. Everything before the exercise is
 unchanged, so the lab runs as in the book; the exercise cells answer ``YOUR CODE HERE``.
 
-The one-machine hub (:mod:`labkit.labs.hub`) and the Kubernetes image (``cluster/jupyterhub``) both
-write them with ``python -m labkit.labs.student_labs OUT``.
+The one-machine hub (:mod:`labkit.course.hub`) and the Kubernetes image (``cluster/jupyterhub``) both
+write them with ``python -m labkit.course.student_labs OUT``.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from labkit.core.cli import ArgumentParser
-from labkit.labs.assignments import BOOK_ONLY, KERNELSPEC
+from labkit.course.assignments import BOOK_ONLY, KERNELSPEC
 from labkit.labs.runner import LABS_DIR, list_labs
 
 # What a student sees where a solution was; course/nbgrader_config.py gives nbgrader the same stubs.
@@ -71,7 +71,7 @@ def write_student_labs(out: Path, labs: list[str] | None = None, labs_dir: Path 
 def main(argv: list[str] | None = None) -> int:
     from labkit.core.checks import output_dir
 
-    ap = ArgumentParser(prog="python -m labkit.labs.student_labs", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m labkit.course.student_labs", description=__doc__.splitlines()[0])
     ap.add_argument("out", help="folder to write <lab>.ipynb into")
     ap.add_argument("labs", nargs="*", help="lab names (default: all)")
     args = ap.parse_args(argv)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from labkit.labs.gpu_items import Item, Setting
+from labkit.course.gpu_items import Item, Setting
 
 if TYPE_CHECKING:
     from labkit.device.roofline import Roof
@@ -36,7 +36,7 @@ def device(s: Setting) -> list[Item]:
     cuda = s.device == "cuda"
     z = dict(GPU_SHAPE if cuda else CPU_SHAPE, dtype=torch.bfloat16 if cuda else torch.float32,
              name=torch.cuda.get_device_name() if cuda else "CPU", family="llama" if cuda else "gpt")
-    from labkit.labs.gpu_items import emit
+    from labkit.course.gpu_items import emit
 
     items: list[Item] = []
     # torch.compile last: its cold compiles are most of the item's time, and a part finished before the
