@@ -26,7 +26,7 @@ def groups_made(layouts: list[dict]) -> tuple[list[int], list[str]]:
 
     import torch.distributed as dist
 
-    from labkit.parallel.mesh import Degrees, ParallelDims
+    from labkit.parallel.layout.mesh import Degrees, ParallelDims
 
     made = []
     with warnings.catch_warnings(record=True) as caught:

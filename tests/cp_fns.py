@@ -12,9 +12,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from labkit.comm.p2p import P2PRecorder
-from labkit.parallel.context_parallel import ring_attention
-from labkit.parallel.cp_layout import cp_shard
-from labkit.parallel.ulysses import ulysses_attention
+from labkit.parallel.context.ring import ring_attention
+from labkit.parallel.context.layout import cp_shard
+from labkit.parallel.context.ulysses import ulysses_attention
 
 
 def _full(shape: tuple, seed: int) -> list[torch.Tensor]:
@@ -109,7 +109,7 @@ def cp_suite(lengths: tuple, heads: int = 6, batch: int = 2, head_dim: int = 8, 
         res["group_err"] = {"ring": _max_err(ring_attention, full, True, "zigzag", half, gr, group=g),
                             "ulysses": _max_err(ulysses_attention, full, True, "contiguous", half, gr, group=g)}
     if C == 2:
-        from labkit.parallel.context_parallel_torch import check_against_torch_cp
+        from labkit.parallel.context.torch_cp import check_against_torch_cp
 
         res["torch_cp"] = check_against_torch_cp(batch=1, heads=2, seq=16, head_dim=8)
     return res

@@ -24,10 +24,10 @@ from labkit.core.model import GPT, GPTConfig
 from labkit.core.moe import MoEMLP
 from labkit.core.moe_routing import update_router_biases
 from labkit.parallel.data_parallel import SyncOnRequest
-from labkit.parallel.expert_nodes import on_nodes
-from labkit.parallel.expert_nodes_check import placement_vs_one_process
-from labkit.parallel.expert_parallel import ExpertParallelPlacement, place_experts, record_all_to_all
-from labkit.parallel.mesh import Degrees, ParallelDims
+from labkit.parallel.experts.nodes import on_nodes
+from labkit.parallel.experts.nodes_check import placement_vs_one_process
+from labkit.parallel.experts.placement import ExpertParallelPlacement, place_experts, record_all_to_all
+from labkit.parallel.layout.mesh import Degrees, ParallelDims
 
 PATCHED = "moe_experts" in {f.name for f in fields(GPTConfig)}
 

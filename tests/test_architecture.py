@@ -101,7 +101,8 @@ GROUP_BUILDERS = {"new_group", "init_device_mesh", "new_subgroups", "new_subgrou
 
 
 def test_only_the_mesh_builds_process_groups():
-    allowed = {LABKIT / "parallel" / "mesh.py", LABKIT / "parallel" / "mesh_nodes.py", LABKIT / "core" / "devices.py"}
+    allowed = {LABKIT / "parallel" / "layout" / "mesh.py", LABKIT / "parallel" / "layout" / "mesh_nodes.py",
+               LABKIT / "core" / "devices.py"}
     for path in _modules():
         calls = {node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
                  for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)}
@@ -159,7 +160,7 @@ def test_one_layout_record_one_step_one_expert_parallelism():
                 defined.setdefault(node.name, []).append(str(path.relative_to(LABKIT)))
     assert defined["Plan"] == ["planning/plan.py"]
     assert defined["train_step"] == ["train/loop.py"]
-    assert defined["place_experts"] == ["parallel/expert_parallel.py"] and "ExpertParallel" not in defined
+    assert defined["place_experts"] == ["parallel/experts/placement.py"] and "ExpertParallel" not in defined
 
 
 def test_one_site_validates_a_run():

@@ -109,7 +109,7 @@ def test_what_is_refused_is_what_cannot_run():
     """The validation refuses what labkit does not implement or what would do nothing, and no more: every
     layout trains in fp32; --fsdp-bf16 where no rank shards and sequence parallelism without tensor
     parallelism are refused (accepted, they trained as something else)."""
-    from labkit.parallel.mesh import Degrees
+    from labkit.parallel.layout.mesh import Degrees
 
     refused = {}
     for name, (fields, model, *_) in ROWS.items():

@@ -10,7 +10,7 @@ import torch
 import cp_fns
 from labkit.comm.p2p import Op, deadlock
 from labkit.launch import launch
-from labkit.parallel.cp_layout import (
+from labkit.parallel.context.layout import (
     cp_comm_bytes,
     cp_positions,
     cp_shard,

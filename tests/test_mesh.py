@@ -1,4 +1,4 @@
-"""Parallelisms composed on one device mesh (labkit.parallel.mesh, labkit.parallel.compose), held
+"""Parallelisms composed on one device mesh (labkit.parallel.layout.mesh, labkit.parallel.compose), held
 against one process: the issue's grid of layouts on 8 CPU ranks over gloo, fp32 for 10 steps and bf16
 autocast, checkpoints resumed bit for bit in the same layout and resharded into others, the model
 states each rank holds against the exact count and the calculator."""
@@ -19,7 +19,7 @@ import torch
 from mesh_fns import only_step, runs, runs_warned
 from labkit.core.model import GPTConfig
 from labkit.launch import launch
-from labkit.parallel.mesh import Degrees
+from labkit.parallel.layout.mesh import Degrees
 from labkit.train import TrainConfig, train
 
 MODEL = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16)
@@ -296,7 +296,7 @@ def test_minus_one_takes_the_ranks_the_others_leave_as_in_torchtitan():
     (Degrees(dp_shard=3, ep=3), replace(MOE, moe_experts=4), r"moe_experts=4 must be a multiple of ep=3"),
 ])
 def test_what_a_layout_cannot_do_is_one_line_before_any_collective(degrees, model, match):
-    from labkit.parallel.checks import check_layout
+    from labkit.parallel.layout.checks import check_layout
 
     with pytest.raises(ValueError, match=match):
         check_layout(degrees, model, 4, 2 if degrees.pp > 1 else None)
@@ -307,7 +307,7 @@ def test_what_a_layout_cannot_do_is_one_line_before_any_collective(degrees, mode
 def test_the_chooser_never_lists_a_layout_the_loop_refuses(hidden, layers, heads, seq, n):
     """Every layout the chooser ranks, turned into labkit.train's flags, passes the loop's own checks."""
     from labkit.memory.architecture import ModelShape
-    from labkit.parallel.checks import check_layout
+    from labkit.parallel.layout.checks import check_layout
     from labkit.planning.choose import choose_strategy
     from labkit.planning.commands import degrees
     from labkit.train.cli import configs_from

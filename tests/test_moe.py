@@ -1,4 +1,4 @@
-"""Mixture of experts (labkit.core.moe) and expert parallelism (labkit.parallel.expert_parallel):
+"""Mixture of experts (labkit.core.moe) and expert parallelism (labkit.parallel.experts.placement):
 the block against a loop that routes one token at a time, and expert-parallel training on 2 and 4
 gloo ranks against one process, step by step in fp32."""
 import math
@@ -16,9 +16,9 @@ from labkit.core.moe_grouped import can_group, per_token_reference, run_experts
 from labkit.core.moe_routing import bias_step, choose, update_router_biases
 from labkit.launch import launch
 from labkit.memory.architecture import ModelShape, moe_costs
-from labkit.parallel.expert_nodes import routed_rows
-from labkit.parallel.expert_nodes_check import MODES, uniform_all_to_all
-from labkit.parallel.expert_parallel import all_to_all_bytes, expected_all_to_all_bytes
+from labkit.parallel.experts.nodes import routed_rows
+from labkit.parallel.experts.nodes_check import MODES, uniform_all_to_all
+from labkit.parallel.experts.placement import all_to_all_bytes, expected_all_to_all_bytes
 from tp_pp_fns import one_thread
 
 E, K, STEPS, BATCH = 4, 2, 4, 8

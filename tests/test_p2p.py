@@ -35,7 +35,7 @@ def _old_ring(n: int) -> dict:
 
 def _old_pipeline(schedule: str, p: int, m: int) -> dict:
     """The hand-written pipeline's posts before it paired them: recv before, isend after each action."""
-    from labkit.parallel.pipeline_parallel import schedule_order
+    from labkit.parallel.pipeline.stages import schedule_order
 
     posts = {}
     for s in range(p):

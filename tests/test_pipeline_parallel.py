@@ -10,10 +10,10 @@ import torch
 from tp_pp_fns import one_thread
 from labkit.launch import launch
 from labkit.core.model import GPT, GPTConfig, build_model
-from labkit.parallel.checks import check_layout
-from labkit.parallel.mesh import Degrees
-from labkit.parallel.pipeline_parallel import GPTStage, Split, check_pp, schedule_order, stage_bounds, stage_params
-from labkit.parallel.pipeline_timeline import ActivationMeter, Event, bubble_formula, bubble_fraction
+from labkit.parallel.layout.checks import check_layout
+from labkit.parallel.layout.mesh import Degrees
+from labkit.parallel.pipeline.stages import GPTStage, Split, check_pp, schedule_order, stage_bounds, stage_params
+from labkit.parallel.pipeline.timeline import ActivationMeter, Event, bubble_formula, bubble_fraction
 from labkit.train import TrainConfig, train, train_many
 
 MODEL = GPTConfig(block_size=32, n_layer=4)

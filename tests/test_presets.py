@@ -10,7 +10,7 @@ import pytest
 from mesh_fns import runs
 from labkit.core.model import GPTConfig
 from labkit.launch import launch
-from labkit.parallel.mesh import Degrees
+from labkit.parallel.layout.mesh import Degrees
 from labkit.train import TrainConfig
 from labkit.train.validate import degrees_for
 from labkit.train.strategies import STRATEGIES

@@ -8,8 +8,8 @@ import pytest
 
 from labkit.labs import schematics
 from labkit.memory import GB, estimate_memory, model_state_breakdown
-from labkit.parallel.pipeline_parallel import schedule_order
-from labkit.parallel.pipeline_timeline import bubble_formula
+from labkit.parallel.pipeline.stages import schedule_order
+from labkit.parallel.pipeline.timeline import bubble_formula
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = ROOT / "book" / "images"

@@ -9,7 +9,7 @@ import pytest
 
 from labkit.memory import MODELS
 from labkit.memory.architecture import ModelShape
-from labkit.parallel.pipeline_timeline import bubble_formula
+from labkit.parallel.pipeline.timeline import bubble_formula
 from labkit.planning import collectives as C
 from labkit.planning import plan_cli
 from labkit.planning.hardware import HARDWARE, hardware

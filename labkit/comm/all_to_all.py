@@ -1,6 +1,6 @@
 """What an all-to-all sends over which link: the one formula the planner prices expert parallelism
 with (:func:`labkit.planning.collectives.all_to_all`) and the expert-parallel lab counts bytes against
-(:mod:`labkit.parallel.expert_parallel`, :mod:`labkit.parallel.expert_nodes`).
+(:mod:`labkit.parallel.experts.placement`, :mod:`labkit.parallel.experts.nodes`).
 
 An all-to-all among ``n`` ranks, ``k`` of them on each node (ranks numbered node by node), each rank
 holding ``nbytes`` spread evenly over the ``n`` destinations (itself included): ``nbytes / n`` stays

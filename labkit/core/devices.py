@@ -74,7 +74,7 @@ def rank_and_world() -> tuple[int, int]:
 def side_group(timeout_s: float | None = None) -> dist.ProcessGroup:
     """A second gloo group over every rank, for traffic that must not interleave with training's
     collectives: an async checkpoint's, a debugging wrapper's. Every rank must call it, in the same
-    order (the parallelisms' groups come from :class:`labkit.parallel.mesh.ParallelDims`)."""
+    order (the parallelisms' groups come from :class:`labkit.parallel.layout.mesh.ParallelDims`)."""
     import datetime
 
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None

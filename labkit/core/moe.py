@@ -38,7 +38,7 @@ Global batch. Capacity, drop order and ``f``/``P`` are properties of the *whole*
 gets them from one sum: each process writes its per-expert counts (and probability sums) into its
 row of a table, :class:`Placement` ``.all_reduce`` sums the table over the processes, and every
 process reads the totals and the counts of the shards before its own. In one process the sum is the
-table itself; under expert parallelism (:mod:`labkit.parallel.expert_parallel`) it is an all-reduce,
+table itself; under expert parallelism (:mod:`labkit.parallel.experts.placement`) it is an all-reduce,
 so every token is kept or dropped exactly as one process would, and the loss is one process's.
 """
 from __future__ import annotations

@@ -20,7 +20,7 @@ which are selected according to the sum of the highest K_r/M affinity scores of 
 distributed on each node"): the experts are cut into ``groups`` consecutive groups (one per node, as
 expert parallelism places them), each group scored by the sum of its ``ceil(k / M)`` highest biased
 scores, the ``M`` best groups kept and the top k chosen among their experts (the official inference
-code's ``Gate``: ``n_expert_groups``, ``n_limited_groups``). :mod:`labkit.parallel.expert_nodes`
+code's ``Gate``: ``n_expert_groups``, ``n_limited_groups``). :mod:`labkit.parallel.experts.nodes`
 sends each token once to each node it chose.
 
 **MaxVio** (Wang et al. 2024's measure of imbalance, "maximal violation"): ``max_i load_i / mean

@@ -11,7 +11,7 @@ def context(s: Setting) -> list[Item]:
     """The from-scratch ring attention against one process and against torch's ``context_parallel``
     (which needs CUDA: on CPU processes torch has no sharding rule for its attention kernel)."""
     from labkit.launch import launch
-    from labkit.parallel.context_parallel_torch import check_against_torch_cp
+    from labkit.parallel.context.torch_cp import check_against_torch_cp
 
     if s.world < 2:
         return [Item("context parallel", "skip", "needs >= 2 GPUs (one rank holds the whole sequence)")]
@@ -92,7 +92,7 @@ def fsdp2_alone(device: str, steps: int, model_cfg, ckpt_dir: str) -> dict:
     from labkit.core.devices import current_device
     from labkit.core.model import build_model
     from labkit.parallel.fsdp import apply_fsdp
-    from labkit.parallel.mesh import alone_mesh
+    from labkit.parallel.layout.mesh import alone_mesh
 
     dev = current_device(device)
     model = build_model(model_cfg, seed=0).to(dev)

@@ -4,7 +4,7 @@ Dao et al. 2022, "FlashAttention: fast and memory-efficient exact attention with
 (arXiv:2205.14135), Algorithm 1, with FlashAttention-2's loop order and backward (Dao 2023,
 arXiv:2307.08691, Algorithms 1 and 2): queries in tiles of ``block`` rows; each query tile runs over
 the key/value tiles, folding each into a running output with the online-softmax merge
-(:mod:`labkit.parallel.online_softmax`, the one ring attention uses), and keeps only its output and
+(:mod:`labkit.parallel.context.online_softmax`, the one ring attention uses), and keeps only its output and
 its rows' log-sum-exp. Causal tiles wholly in the future are skipped. Backward recomputes each
 tile's probabilities from the saved log-sum-exp: attention's memory is O(s) per head instead of
 O(s^2), at the price of the forward's ``Q K^T`` computed again (backward: 5 tile matmuls instead of
@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from labkit.parallel.online_softmax import block_backward, block_forward, merge
+from labkit.parallel.context.online_softmax import block_backward, block_forward, merge
 
 
 def _tiles(s: int, block: int, causal: bool):

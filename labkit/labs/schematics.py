@@ -18,8 +18,8 @@ from labkit.labs.schematics_failures import FIGURES as FAILURES
 from labkit.labs.schematics_mesh import FIGURES as MESH
 from labkit.labs.svg import ALERT, INK, OWNER_FILL, OWNER_STROKE, RANK_FILL, RANK_STROKE, Svg, num
 from labkit.memory.calculator import GB, estimate_memory, model_state_breakdown
-from labkit.parallel.pipeline_parallel import schedule_order
-from labkit.parallel.pipeline_timeline import bubble_formula
+from labkit.parallel.pipeline.stages import schedule_order
+from labkit.parallel.pipeline.timeline import bubble_formula
 from labkit.planning.accelerators import ACCELERATORS
 
 IMAGES = Path(__file__).resolve().parents[2] / "book" / "images"
@@ -113,7 +113,7 @@ def tp_split() -> str:
 
 def ideal_timeline(schedule: str, p: int, m: int, t_f: int = 1, t_b: int = 2) -> list[tuple[int, str, int, int, int]]:
     """``(stage, kind, microbatch, start, end)`` of every action when each stage runs the order of
-    :func:`~labkit.parallel.pipeline_parallel.schedule_order` as soon as its input has arrived: equal
+    :func:`~labkit.parallel.pipeline.stages.schedule_order` as soon as its input has arrived: equal
     stages, a forward taking ``t_f``, a backward ``t_b``, messages free."""
     orders = [schedule_order(schedule, p, s, m) for s in range(p)]
     pos, free, done, out = [0] * p, [0] * p, {}, []

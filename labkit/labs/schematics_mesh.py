@@ -1,12 +1,12 @@
 """The four-dimensional device mesh the composing chapter draws: which GPUs talk to which, and over what.
 
-Every group drawn is one :meth:`labkit.parallel.mesh.Degrees.groups` computes, ranks numbered as the
+Every group drawn is one :meth:`labkit.parallel.layout.mesh.Degrees.groups` computes, ranks numbered as the
 training loop's mesh numbers them; :mod:`labkit.labs.schematics` writes it with the book's other figures.
 """
 from __future__ import annotations
 
 from labkit.labs.svg import INK, OWNER_STROKE, Svg
-from labkit.parallel.mesh import Degrees
+from labkit.parallel.layout.mesh import Degrees
 
 MESH_4D = Degrees(pp=2, dp_shard=2, cp=2, tp=2)
 WHAT = {"tp": "tensor: 2 all-reduces of activations per block in forward, 2 in backward",
@@ -45,7 +45,7 @@ def _node(svg: Svg, x: float, y: float, ranks: list[int], d: Degrees, stage: int
 
 def shard_groups(d: Degrees) -> list[list[int]]:
     """FSDP's shard groups of the dense weights: the ranks that differ only in ``dp_shard``, ``ep`` and ``cp``
-    (:attr:`Degrees.shard`, the ``shard`` dimension of :class:`labkit.parallel.mesh.ParallelDims`)."""
+    (:attr:`Degrees.shard`, the ``shard`` dimension of :class:`labkit.parallel.layout.mesh.ParallelDims`)."""
     keyed: dict[tuple, list[int]] = {}
     for r in range(d.world):
         c = d.coords(r)

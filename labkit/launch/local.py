@@ -106,8 +106,8 @@ def _free_cached_gpu_memory(device: str) -> None:
 PRELOAD = ["torch", "torch.distributed", "labkit.launch.local", "labkit.train",
            "torch._dynamo", "torch.distributed.tensor.parallel", "torch.distributed.fsdp",
            "torch.distributed.pipelining", "torch.distributed.checkpoint", "torch.nn.parallel",
-           "labkit.parallel.compose", "labkit.parallel.data_parallel", "labkit.parallel.pipeline_runner",
-           "labkit.parallel.cp_layout", "labkit.parallel.sizes",
+           "labkit.parallel.compose", "labkit.parallel.data_parallel", "labkit.parallel.pipeline.runner",
+           "labkit.parallel.context.layout", "labkit.parallel.layout.sizes",
            "labkit.fault_tolerance.checkpointer", "labkit.fault_tolerance.resume"]
 
 

@@ -122,8 +122,8 @@ def cp_activation_bytes(cfg, micro_batch: int, seed: int = 0) -> int:
     import torch.distributed as dist
 
     from labkit.core.model import build_model
-    from labkit.parallel.context_parallel import ring_attention
-    from labkit.parallel.cp_layout import zigzag_shard
+    from labkit.parallel.context.ring import ring_attention
+    from labkit.parallel.context.layout import zigzag_shard
 
     C, r = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     model = build_model(cfg, seed)
@@ -152,7 +152,7 @@ def fake_fsdp_memory(cfg, world_size: int = 8, micro_batch: int = 1) -> dict[str
 
     from labkit.core.model import GPT
     from labkit.parallel.fsdp import apply_fsdp
-    from labkit.parallel.mesh import Degrees, ParallelDims
+    from labkit.parallel.layout.mesh import Degrees, ParallelDims
 
     if dist.is_initialized():
         raise RuntimeError("fake_fsdp_memory needs a process without a process group")

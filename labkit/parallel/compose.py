@@ -1,20 +1,20 @@
 """Placing the GPT on a device mesh: every parallelism in one function, composed in one order.
 
 :func:`place` takes the plain GPT (the same weights on every rank) and the run's
-:class:`~labkit.parallel.mesh.ParallelDims`, and returns what this rank trains, a :class:`Placed`;
+:class:`~labkit.parallel.layout.mesh.ParallelDims`, and returns what this rank trains, a :class:`Placed`;
 :func:`parallelize` places one part of it (the GPT, or one pipeline stage) and returns the part.
 The order is torchtitan's (its ``parallelize`` functions), each step one call into ``labkit.parallel``:
 
 1. **Pipeline stages** (``pp``): the layers cut into stages, this rank keeping its own
-   (:mod:`~labkit.parallel.pipeline_parallel`); every later step acts on each stage alone, as if it
+   (:mod:`~labkit.parallel.pipeline.stages`); every later step acts on each stage alone, as if it
    were a model of its own.
 2. **Tensor parallelism** (``tp``, with sequence parallelism) inside each stage
    (:mod:`~labkit.parallel.tensor_parallel`): it rewrites the weight matrices into DTensor shards
    before anything else holds them.
 3. **Experts** (``ep``): this rank keeps its share of every MoE block's experts and routes tokens
-   to the others by all-to-all (:mod:`~labkit.parallel.expert_parallel`).
+   to the others by all-to-all (:mod:`~labkit.parallel.experts.placement`).
 4. **Context parallelism** (``cp``): ring attention over the cp group at zig-zag positions
-   (:mod:`~labkit.parallel.context_parallel`). It swaps each block's attention function and holds
+   (:mod:`~labkit.parallel.context.ring`). It swaps each block's attention function and holds
    no parameter, so the code applies it after step 6: DDP's bucket-priming forward, a one-token
    batch the ring could not split, runs on plain attention first.
 5. **Activation checkpointing** per block (:mod:`~labkit.parallel.activation_checkpointing`): around
@@ -33,9 +33,9 @@ import torch
 import torch.nn as nn
 
 from labkit.core.model import GPT, blocks_of
-from labkit.parallel import pipeline_parallel as pipe
+from labkit.parallel.pipeline import stages as pipe
 from labkit.parallel.activation_checkpointing import apply as apply_checkpointing
-from labkit.parallel.mesh import ParallelDims
+from labkit.parallel.layout.mesh import ParallelDims
 from labkit.parallel.placed import Placed
 
 
@@ -75,7 +75,7 @@ def parallelize(part: nn.Module, dims: ParallelDims, opts: Options) -> nn.Module
             tpar.parallelize_scratch(part, dims.group("tp"))
         else:
             tpar.parallelize_dtensor(part, dims.submesh("tp"), opts.sequence_parallel)
-    from labkit.parallel.expert_parallel import place_experts
+    from labkit.parallel.experts.placement import place_experts
 
     place_experts(part, dims)  # every MoE block routes over the global batch, even with ep = 1
     apply_checkpointing(part, opts.activation_checkpointing)
@@ -106,7 +106,7 @@ def place(model: GPT, dims: ParallelDims, opts: Options, device: torch.device) -
 def build_pipeline(placed: Placed, model: GPT, pipeline_args: tuple, opts: Options, device: torch.device) -> None:
     """The schedule that runs ``placed``'s stages (torchtitan's ``pipelining_fn``, after the stages
     are placed), and this rank's copy of the tied embedding / head."""
-    from labkit.parallel.pipeline_runner import Pipeline
+    from labkit.parallel.pipeline.runner import Pipeline
 
     placed.pipeline = Pipeline(placed.parts, placed.module, *pipeline_args, device=device, schedule=opts.pp_schedule,
                                microbatches=opts.microbatches, micro_shape=_micro_shape(model, placed.dims, opts),
@@ -174,8 +174,8 @@ def _data_parallel(placed: Placed, opts: Options, device: torch.device) -> None:
 
 def _context_parallel(placed: Placed, device: torch.device) -> None:
     """Ring attention over the cp group in every block; the positions of this rank's zig-zag chunks."""
-    from labkit.parallel.context_parallel import ring_attention
-    from labkit.parallel.cp_layout import cp_positions
+    from labkit.parallel.context.ring import ring_attention
+    from labkit.parallel.context.layout import cp_positions
 
     dims = placed.dims
     positions = cp_positions(placed.module.config.block_size, dims.degrees.cp, dims.coords["cp"]).to(device)

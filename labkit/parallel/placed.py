@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.parallel.clipping import dtensor_groups, reduce_partial_grads
-from labkit.parallel.mesh import ParallelDims
+from labkit.parallel.layout.mesh import ParallelDims
 
 
 @dataclass(eq=False)
@@ -29,7 +29,7 @@ class Placed:
     parts: list[nn.Module]  # the GPT, or the pipeline stages this rank holds
     experts: set[int] = field(default_factory=set)  # ids of this rank's expert parameters
     scratch_tp: bool = False  # hand-written TP shards (plain tensors, ``tp_shard_dim``)
-    pipeline: Any = None  # a labkit.parallel.pipeline_runner.Pipeline when the layers are staged
+    pipeline: Any = None  # a labkit.parallel.pipeline.runner.Pipeline when the layers are staged
     tied: nn.Parameter | None = None  # this rank's copy of the tied embedding / head, under pp > 1
     fsdp_roots: list[nn.Module] = field(default_factory=list)
     divide_experts: int | None = None  # experts outside FSDP: their summed gradients / this
@@ -44,7 +44,7 @@ class Placed:
         cp = self.dims.degrees.cp
         if cp == 1:
             return x, y
-        from labkit.parallel.cp_layout import zigzag_shard
+        from labkit.parallel.context.layout import zigzag_shard
 
         r = self.dims.coords["cp"]
         return zigzag_shard(x, cp, r, dim=1), zigzag_shard(y, cp, r, dim=1)

@@ -54,7 +54,7 @@ def parallelize_dtensor(model: nn.Module, mesh: DeviceMesh, sequence_parallel: b
     or attention. With ``sequence_parallel`` the LayerNorms run on ``s/tp`` tokens each
     (``SequenceParallel``); the all-reduces become all-gathers and reduce-scatters of equal volume.
 
-    ``model``: the GPT, or one pipeline stage of it (:class:`labkit.parallel.pipeline_parallel.GPTStage`):
+    ``model``: the GPT, or one pipeline stage of it (:class:`labkit.parallel.pipeline.stages.GPTStage`):
     a stage without the embeddings receives, and one without the head sends, its sequence shard.
     A mixture-of-experts block keeps its experts whole (they are split over ranks by expert
     parallelism instead); only its attention is split."""

@@ -1,8 +1,8 @@
 """A planned layout as the command that runs it: ``labkit.train``'s flags, and the whole launch.
 
 :func:`degrees` says what a :class:`labkit.planning.step_model.Plan` is on labkit's mesh
-(:class:`labkit.parallel.mesh.Degrees`), :func:`refused` why the training loop would not run it
-(its own :func:`labkit.parallel.checks.check_layout`), :func:`train_args` every flag of
+(:class:`labkit.parallel.layout.mesh.Degrees`), :func:`refused` why the training loop would not run it
+(its own :func:`labkit.parallel.layout.checks.check_layout`), :func:`train_args` every flag of
 ``python -m labkit.train`` that runs it, the model's shape included, and :func:`launch` the torchrun
 line for every node, or the ``sbatch`` line of ``cluster/slurm/train.sbatch``. labkit.train trains
 labkit's GPT: a model of another family runs as a GPT of the same width, depth, heads and
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from labkit.core.model import GPTConfig
 from labkit.memory.architecture import ModelShape
-from labkit.parallel.checks import check_layout
-from labkit.parallel.mesh import Degrees
-from labkit.parallel.pipeline_split import Split
+from labkit.parallel.layout.checks import check_layout
+from labkit.parallel.layout.mesh import Degrees
+from labkit.parallel.pipeline.split import Split
 
 AC_POLICY = {"selective": "selective", "op": "selective:alternate", "full": "full"}  # the loop's names
 

@@ -73,7 +73,7 @@ def dtensor_operator_seconds(op_s: float, all_reduce_s: float, steps: int = 30) 
     from torch import nn
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from labkit.parallel.mesh import Degrees, ParallelDims
+    from labkit.parallel.layout.mesh import Degrees, ParallelDims
 
     mesh = ParallelDims(Degrees(tp=dist.get_world_size())).submesh("tp")
     torch.manual_seed(0)

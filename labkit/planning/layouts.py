@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from labkit.comm.ring import ring_bytes_per_rank
 from labkit.core.model import GPTConfig
 from labkit.memory.calculator import GB, ModelShape, model_shape
-from labkit.parallel.pipeline_timeline import bubble_formula
+from labkit.parallel.pipeline.timeline import bubble_formula
 from labkit.parallel.tensor_parallel import comm_bytes_per_layer
 from labkit.planning import collectives as C
 from labkit.planning.hardware import hardware

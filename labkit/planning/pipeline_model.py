@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 
 from labkit.core.checks import one_of
-from labkit.parallel.pipeline_split import stage_bounds
+from labkit.parallel.pipeline.split import stage_bounds
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zbv")
 V_SHAPED = ("zbv",)
@@ -43,7 +43,7 @@ def chunks_per_rank(schedule: str, v: int = 1) -> int:
 
 def chunk_layers(n_layer: int, n_chunks: int, first_less: int = 0, last_less: int = 0) -> list[int]:
     """Layers of each of ``n_chunks`` chunks in pipeline order: the training loop's own split
-    (:func:`labkit.parallel.pipeline_parallel.stage_bounds`, torchtitan's)."""
+    (:func:`labkit.parallel.pipeline.stages.stage_bounds`, torchtitan's)."""
     return [hi - lo for lo, hi in stage_bounds(n_layer, n_chunks, first_less, last_less)]
 
 

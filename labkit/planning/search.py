@@ -11,7 +11,7 @@ a node; optimizer offload when nothing else is left) x EP for a mixture of exper
 (the rest of the batch accumulated) x recomputation (none, selective, torchtitan's op-level, full).
 :func:`search` keeps the layouts whose fullest pipeline rank fits
 (:func:`labkit.planning.stage_memory.peak_rank`) and that the training loop accepts
-(:func:`labkit.parallel.checks.check_layout`), predicts each one's step
+(:func:`labkit.parallel.layout.checks.check_layout`), predicts each one's step
 (:func:`labkit.planning.step_model.predict`), and ranks them; :func:`why` names the terms in which
 the winner beats the runner-up.
 """

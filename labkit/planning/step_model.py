@@ -24,7 +24,7 @@ published runs (:mod:`labkit.planning.published`). Every rate is a named constan
   every second matmul and every element-wise op.
 
 Communication (:mod:`labkit.planning.collectives`), each group placed by the mesh's order
-(:mod:`labkit.parallel.mesh`: TP fastest, then CP, the data-parallel shard, its replicas, PP), so
+(:mod:`labkit.parallel.layout.mesh`: TP fastest, then CP, the data-parallel shard, its replicas, PP), so
 which links a dimension crosses follows from the layout: TP's collectives of ``b s h`` (two
 forward, two backward: Shoeybi et al. 2019, section 3; with sequence parallelism all-gathers and
 reduce-scatters of the same volume), not overlapped; CP's ring of K and V (Liu et al. 2023) hidden

@@ -22,7 +22,7 @@ from labkit.core.checks import (
 from labkit.core.devices import DEVICE_TYPES, check_device
 from labkit.fault_tolerance.preemption import check_grace
 from labkit.parallel.activation_checkpointing import parse_policy
-from labkit.parallel.pipeline_parallel import PP_SCHEDULES
+from labkit.parallel.pipeline.stages import PP_SCHEDULES
 from labkit.train.lr_schedule import LR_SCHEDULES
 from labkit.train.strategies import OPTIONS, Strategy, strategy, takes
 
@@ -156,8 +156,8 @@ class TrainConfig:
 
     @property
     def pp_split(self):
-        """The pipeline's split into stages (:class:`labkit.parallel.pipeline_parallel.Split`)."""
-        from labkit.parallel.pipeline_parallel import Split
+        """The pipeline's split into stages (:class:`labkit.parallel.pipeline.stages.Split`)."""
+        from labkit.parallel.pipeline.stages import Split
 
         return Split(self.pp_schedule, self.pp_stages_per_rank, self.pp_first_stage_less_layers,
                      self.pp_last_stage_less_layers)

@@ -12,13 +12,13 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from labkit.memory.calculator import model_state_breakdown
-from labkit.parallel import pipeline_parallel as pipe
+from labkit.parallel.pipeline import stages as pipe
 from labkit.parallel.activation_checkpointing import parse_policy
 from labkit.parallel.fsdp import hsdp_formula
-from labkit.parallel.pipeline_timeline import Event, bubble_formula, bubble_fraction
+from labkit.parallel.pipeline.timeline import Event, bubble_formula, bubble_fraction
 
 if TYPE_CHECKING:
-    from labkit.parallel.pipeline_runner import Pipeline
+    from labkit.parallel.pipeline.runner import Pipeline
     from labkit.train.setup import Setup
 
 
@@ -37,7 +37,7 @@ def predicted_model_states(setup: Setup) -> dict[str, int]:
         return asdict(model_state_breakdown(n_params, setup.dims.world, spec.zero_stage, "fp32_master"))
     if spec.dp_impl != "fsdp":  # replicated, or the hand-written ZeRO-1's optimizer slice
         return asdict(model_state_breakdown(n_params, setup.dims.world, spec.zero_stage, "fp32"))
-    from labkit.parallel.sizes import params_on_rank
+    from labkit.parallel.layout.sizes import params_on_rank
 
     dense, experts = params_on_rank(setup.model_cfg, d, setup.dims.coords["pp"],
                                     setup.cfg.pp_schedule if setup.pipelined else None)
@@ -88,7 +88,7 @@ def layout_fields(setup: Setup, ranks: list[dict]) -> dict[str, Any]:
     """The run's layout and, for each dimension the strategy uses, its formula (module docstring)."""
     from labkit.core.model import GPT
     from labkit.parallel import tensor_parallel as tpar
-    from labkit.parallel.cp_layout import cp_comm_bytes
+    from labkit.parallel.context.layout import cp_comm_bytes
 
     cfg, m, dims = setup.cfg, setup.model_cfg, setup.dims
     d, named = dims.degrees, {dim for dim, _ in setup.spec.degrees}

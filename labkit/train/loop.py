@@ -7,7 +7,7 @@ From a shell, the same loop (:mod:`labkit.train.cli`)::
     torchrun --nproc-per-node 2 -m labkit.train --strategy fsdp --steps 20 --metrics out.json
     torchrun --nproc-per-node 8 -m labkit.train --tp 2 --pp 2 --dp-shard 2 --steps 20
 
-The loop lays the run out on one device mesh (:class:`labkit.parallel.mesh.ParallelDims`), builds
+The loop lays the run out on one device mesh (:class:`labkit.parallel.layout.mesh.ParallelDims`), builds
 the plain GPT, seeds every rank, asks the strategy's setup to place the model
 (:mod:`labkit.train.setup`), reads each step's batch (a pure function of seed and step), and runs
 :func:`train_step`: forward, backward and accumulation, the gradients finished, clipping, the
@@ -31,8 +31,8 @@ from labkit.core.model import GPT, GPTConfig, build_model
 from labkit.core.moe_routing import update_router_biases
 from labkit.fault_tolerance.rng import seed_rngs
 from labkit.parallel.clipping import clip_grad_norm_
-from labkit.parallel.mesh import ParallelDims
-from labkit.parallel.pipeline_parallel import V_SHAPED
+from labkit.parallel.layout.mesh import ParallelDims
+from labkit.parallel.pipeline.stages import V_SHAPED
 from labkit.train import instruments
 from labkit.train.config import TrainConfig
 from labkit.train.deepspeed_setup import DeepSpeedSetup

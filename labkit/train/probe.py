@@ -90,11 +90,11 @@ class Probe:
             self.counter = stack.enter_context(CommCounter()) if counted else None
             a2a, kv = None, {}
             if counted and placed.experts and self.setup.dims.degrees.ep > 1:
-                from labkit.parallel.expert_parallel import record_all_to_all
+                from labkit.parallel.experts.placement import record_all_to_all
 
                 a2a = stack.enter_context(record_all_to_all())
             if self.setup.dims.degrees.cp > 1:
-                from labkit.parallel.context_parallel import record_ring
+                from labkit.parallel.context.ring import record_ring
 
                 kv = stack.enter_context(record_ring())
             yield

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from labkit.parallel.mesh import ParallelDims
+from labkit.parallel.layout.mesh import ParallelDims
 
 if TYPE_CHECKING:
     from labkit.core.model import GPT, GPTConfig

@@ -3,7 +3,7 @@
 A :class:`Strategy` says what the strategy splits over the ranks, which ZeRO stage its memory
 follows (:mod:`labkit.memory`), how many bytes each rank sends per step in the ZeRO paper's unit,
 which options it takes, what it cannot do, and, as data, how it lays the model on the device mesh:
-its degrees (:class:`labkit.parallel.mesh.Degrees`, from the config and the world size) and which
+its degrees (:class:`labkit.parallel.layout.mesh.Degrees`, from the config and the world size) and which
 implementation each step of the placement uses (:mod:`labkit.parallel.compose`). The named
 strategies are presets of degrees; ``mesh`` takes any degrees. Records are data: they import
 nothing of the config or the plans (:mod:`labkit.train.config` checks a config against them).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from labkit.core.checks import one_of
-from labkit.parallel.mesh import DIMS
+from labkit.parallel.layout.mesh import DIMS
 
 ALL_PRECISIONS = ("fp32", "bf16", "fp16")
 # FP8 emulated (labkit.device.fp8): where the linears are plain modules or FSDP2 gathers them whole

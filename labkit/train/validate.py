@@ -4,7 +4,7 @@ it) and again on each rank before its first collective (:func:`labkit.train.loop
 
 The field-by-field checks of a config (types, ranges, what each strategy takes) are
 :class:`labkit.train.config.TrainConfig`'s own, made as it is built; what a layout cannot do on a
-model (:func:`labkit.parallel.checks.check_layout`) and what the layout leaves ignored are checked
+model (:func:`labkit.parallel.layout.checks.check_layout`) and what the layout leaves ignored are checked
 here, once the degrees are known.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import math
 
 from labkit.core.data import check_shard
 from labkit.core.model import GPTConfig
-from labkit.parallel.checks import check_layout
-from labkit.parallel.mesh import Degrees
+from labkit.parallel.layout.checks import check_layout
+from labkit.parallel.layout.mesh import Degrees
 from labkit.train.config import TrainConfig
 from labkit.train.strategies import DIMS, STRATEGIES, WHY, Strategy, strategy
 
@@ -99,7 +99,7 @@ def degrees_for(cfg: TrainConfig, world: int) -> Degrees:
         given["dp_shard"] = given["ep"]  # ep is carved out of dp_shard (torchtitan): the least that holds it
     if not rest and spec.rest not in given:
         given[spec.rest], rest = -1, [spec.rest]
-    # ep spans no ranks of its own: it is carved out of dp_shard (labkit.parallel.degrees)
+    # ep spans no ranks of its own: it is carved out of dp_shard (labkit.parallel.layout.degrees)
     others = math.prod(v for d, v in given.items() if d not in (*rest, "ep"))
     if rest:
         if world % others:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from labkit.parallel.cp_layout import LAYOUTS, cp_positions
+from labkit.parallel.context.layout import LAYOUTS, cp_positions
 
 
 def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

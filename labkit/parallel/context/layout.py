@@ -2,7 +2,7 @@
 
 Context parallelism (CP) splits the *sequence* over C ranks: each holds T/C tokens of every sequence
 and all of the model. Attention is the one layer where tokens meet, so it is the one that talks
-(:mod:`labkit.parallel.context_parallel`, ring attention; :mod:`labkit.parallel.ulysses`, all-to-all).
+(:mod:`labkit.parallel.context.ring`, ring attention; :mod:`labkit.parallel.context.ulysses`, all-to-all).
 
 Under a causal mask the contiguous split is unbalanced: rank 0's queries see only their own block,
 rank C-1's see the whole sequence, and a ring step whose keys lie wholly in the future of its

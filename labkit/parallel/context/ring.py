@@ -3,7 +3,7 @@
 Each of C ranks holds a slice of the sequence's queries, keys and values. The K/V blocks travel
 round the ring (rank r sends to r+1, receives from r-1) for C-1 steps while every rank attends its
 own queries to the block it holds and folds the partial result into a running output with the
-online-softmax merge of :mod:`labkit.parallel.online_softmax` (FlashAttention's, with the blocks
+online-softmax merge of :mod:`labkit.parallel.context.online_softmax` (FlashAttention's, with the blocks
 on other ranks). No rank ever holds the full T x T scores or the full K/V: the activation memory of
 attention falls as 1/C (Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers for
 Near-Infinite Context", arXiv:2310.01889).
@@ -12,7 +12,7 @@ Backward (FlashAttention-2's, Dao 2023, arXiv:2307.08691, per block): with the f
 ``delta = rowsum(dO * O)`` saved, each block's probabilities are recomputed, dQ accumulates locally,
 and dK, dV accumulators travel round the ring *with* their K/V block, a last step taking them home.
 
-The causal mask is applied by true positions (:mod:`labkit.parallel.cp_layout`); blocks wholly in
+The causal mask is applied by true positions (:mod:`labkit.parallel.context.layout`); blocks wholly in
 the future are skipped, which is why the zig-zag layout balances the work. Messages go through
 :func:`labkit.comm.p2p.exchange` (sends and receives posted as one ``batch_isend_irecv`` group:
 safe under NCCL). This teaching version waits for each exchange before computing; production
@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from labkit.comm.p2p import exchange
-from labkit.parallel.cp_layout import LAYOUTS, cp_positions, visible_block
-from labkit.parallel.online_softmax import block_backward, block_forward, merge
+from labkit.parallel.context.layout import LAYOUTS, cp_positions, visible_block
+from labkit.parallel.context.online_softmax import block_backward, block_forward, merge
 
 
 def _ring(group: dist.ProcessGroup | None) -> tuple[int, int, int, int]:
@@ -155,7 +155,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | N
     """Exact softmax attention of this rank's queries over the whole sequence split across ``group``.
 
     ``q``, ``k``, ``v``: ``[batch, heads, local_seq, head_dim]``, this rank's slice of the sequence in
-    ``layout`` (:func:`labkit.parallel.cp_layout.cp_shard`; the full length is local_seq x C). Returns
+    ``layout`` (:func:`labkit.parallel.context.layout.cp_shard`; the full length is local_seq x C). Returns
     this rank's slice of the output, as ``scaled_dot_product_attention`` on the full sequence would
     give it (scale 1/sqrt(head_dim), no dropout). Every rank of ``group`` must call it together, and
     backward too (it is a ring). ``stats``, if given (or an open :func:`record_ring`'s log),

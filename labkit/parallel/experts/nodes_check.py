@@ -3,7 +3,7 @@
 :func:`placement_vs_one_process` runs one MoE layer on this rank's tokens under three dispatches (the
 flat all-to-all, the two-hop one, two hops with node-limited routing), each against the same layer in
 one process on the whole batch (output and every gradient), and counts the token bytes each rank sent
-inside its node and out of it, next to what :func:`labkit.parallel.expert_nodes.routed_rows` predicts
+inside its node and out of it, next to what :func:`labkit.parallel.experts.nodes.routed_rows` predicts
 from the routing. :func:`uniform_all_to_all` sends evenly to every rank once, the case the planner's
 formula (:func:`labkit.comm.all_to_all.all_to_all_split`) describes. :func:`dispatch_bytes_per_token`
 measures what one dispatch carries per token for other expert shapes (fine-grained, shared).
@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from labkit.comm.all_to_all import all_to_all_split
 from labkit.core.moe import MoEMLP
-from labkit.parallel.expert_nodes import on_nodes, routed_rows
-from labkit.parallel.expert_parallel import AllToAll, ExpertParallelPlacement, place_experts, record_all_to_all
-from labkit.parallel.mesh import Degrees, ParallelDims
+from labkit.parallel.experts.nodes import on_nodes, routed_rows
+from labkit.parallel.experts.placement import AllToAll, ExpertParallelPlacement, place_experts, record_all_to_all
+from labkit.parallel.layout.mesh import Degrees, ParallelDims
 
 MODES = {"flat": (False, False), "two hops": (True, False), "two hops, node-limited": (True, True)}
 

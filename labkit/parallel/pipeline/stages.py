@@ -26,9 +26,9 @@ import torch.nn.functional as F
 
 from labkit.comm.p2p import exchange
 from labkit.core.model import GPT, GPTConfig
-from labkit.parallel.pipeline_timeline import Timeline
+from labkit.parallel.pipeline.timeline import Timeline
 
-from labkit.parallel.pipeline_split import (  # noqa: F401 (the names this module has always given)
+from labkit.parallel.pipeline.split import (  # noqa: F401 (the names this module has always given)
     IMPLS, MULTI, PP_SCHEDULES, V_SHAPED, VIRTUAL, ZERO_BUBBLE, Split, check_pp, stage_bounds, stage_indices)
 
 

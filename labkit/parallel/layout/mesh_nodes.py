@@ -1,19 +1,19 @@
 """Process groups of the mesh that follow the machine's nodes: an EP group's rails and nodes.
 
-Like every group, built only here and in :mod:`labkit.parallel.mesh` (tests/test_architecture.py).
+Like every group, built only here and in :mod:`labkit.parallel.layout.mesh` (tests/test_architecture.py).
 """
 from __future__ import annotations
 
 import torch.distributed as dist
 
-from labkit.parallel.mesh import ParallelDims
+from labkit.parallel.layout.mesh import ParallelDims
 
 
 
 def node_groups(dims: ParallelDims, per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """This rank's (rail, node) groups inside its EP group, built by every rank for every EP group in
     the same order (``new_group`` is a collective): the
-    two-hop expert dispatch's groups (:mod:`labkit.parallel.expert_nodes`). The EP ranks must be neighbours, node by node."""
+    two-hop expert dispatch's groups (:mod:`labkit.parallel.experts.nodes`). The EP ranks must be neighbours, node by node."""
     ep = dims.degrees.ep
     if per_node < 1 or ep % per_node:
         raise ValueError(f"per_node={per_node} must divide ep={ep}")

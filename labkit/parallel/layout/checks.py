@@ -1,6 +1,6 @@
 """What a layout cannot do with a model, said in one line before anything starts (no collective yet).
 
-:func:`check_layout` holds every degree of a :class:`~labkit.parallel.mesh.Degrees` against the
+:func:`check_layout` holds every degree of a :class:`~labkit.parallel.layout.mesh.Degrees` against the
 GPT's shape and the batch: tensor parallelism must split whole heads, pipeline stages need layers
 and microbatches, the zig-zag split needs ``2 x cp`` chunks, experts must split evenly, and the
 combinations labkit does not implement are refused with the reason.
@@ -8,8 +8,8 @@ combinations labkit does not implement are refused with the reason.
 from __future__ import annotations
 
 from labkit.core.model import GPTConfig
-from labkit.parallel.mesh import Degrees
-from labkit.parallel.pipeline_split import Split, check_pp
+from labkit.parallel.layout.mesh import Degrees
+from labkit.parallel.pipeline.split import Split, check_pp
 from labkit.parallel.tensor_parallel import check_tp
 
 

@@ -3,7 +3,7 @@ outputs brought back with all-to-all (GShard, Lepikhin et al. 2020, section 3; S
 Fedus et al. 2021, section 2.2), the rest of the model data parallel.
 
 Layout. The EP ranks are carved out of the ranks that shard the weights (torchtitan's
-``ParallelDims``: ``dp_shard = dp_shard_mod_ep x ep``, :mod:`labkit.parallel.degrees`). Each EP
+``ParallelDims``: ``dp_shard = dp_shard_mod_ep x ep``, :mod:`labkit.parallel.layout.degrees`). Each EP
 group holds one copy of all E experts, ``E/ep`` per rank (its i-th rank holds experts
 ``[i*E/ep, (i+1)*E/ep)``); ranks at the same place of every group hold the same experts. Every rank
 reads its own rows of the global batch, as plain data parallelism does.
@@ -37,7 +37,7 @@ import torch.nn as nn
 from labkit.comm.all_to_all import all_to_all_split
 from labkit.core.moe import MoEMLP, Placement
 from labkit.core.moe_grouped import run_experts
-from labkit.parallel.mesh import ParallelDims
+from labkit.parallel.layout.mesh import ParallelDims
 
 _RECORDS: list[dict] = []  # open record_all_to_all() logs
 
@@ -100,7 +100,7 @@ def record_all_to_all(per_node: int = 0) -> Iterator[dict]:
 class ExpertParallelPlacement(Placement):
     """A block's experts ``[first, first + local)`` on this rank; the rest on its EP group's ranks.
 
-    ``dims``: the run's mesh (:class:`labkit.parallel.mesh.ParallelDims`): the EP group carries the
+    ``dims``: the run's mesh (:class:`labkit.parallel.layout.mesh.ParallelDims`): the EP group carries the
     tokens, the token ranks (every rank holding other tokens of this pipeline place and TP place)
     sum the routing table."""
 
@@ -146,7 +146,7 @@ def moe_blocks(module: nn.Module) -> list[MoEMLP]:
 def place_experts(module: nn.Module, dims: ParallelDims, a2a=None, make=ExpertParallelPlacement) -> set[int]:
     """Keep only this rank's experts in every MoE block of ``module`` and route through the EP group
     (``make(dims, n_experts, a2a)`` builds each block's placement: the flat all-to-all, or
-    :func:`labkit.parallel.expert_nodes.on_nodes`'s two hops); the ids of the expert parameters left
+    :func:`labkit.parallel.experts.nodes.on_nodes`'s two hops); the ids of the expert parameters left
     (their gradients are reduced over other ranks than the rest's)."""
     for block in moe_blocks(module):
         block.placement = place = make(dims, block.n_experts, a2a)

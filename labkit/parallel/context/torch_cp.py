@@ -2,7 +2,7 @@
 (``torch.distributed.tensor.experimental.context_parallel``).
 
 PyTorch's API shards named buffers along the sequence (its default causal load balancer is the same
-head-tail / zig-zag split as :func:`labkit.parallel.cp_layout.zigzag_indices`) and patches
+head-tail / zig-zag split as :func:`labkit.parallel.context.layout.zigzag_indices`) and patches
 ``scaled_dot_product_attention`` with a ring over the DeviceMesh. It handles only the CUDA fused
 kernels (flash, memory-efficient, cuDNN). On CPU (torch 2.13, gloo) SDPA dispatches to
 ``aten._scaled_dot_product_flash_attention_for_cpu``, which it does not handle: ``NotImplementedError:
@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from labkit.core.devices import comm_device
-from labkit.parallel.context_parallel import ring_attention
-from labkit.parallel.cp_layout import zigzag_shard
+from labkit.parallel.context.ring import ring_attention
+from labkit.parallel.context.layout import zigzag_shard
 
 
 def _torch_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -27,7 +27,7 @@ def _torch_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     """PyTorch's context parallelism on these full tensors: (this rank's output, dq, dk, dv, its positions)."""
     from torch.distributed.tensor.experimental import context_parallel
 
-    from labkit.parallel.mesh import Degrees, ParallelDims
+    from labkit.parallel.layout.mesh import Degrees, ParallelDims
 
     mesh = ParallelDims(Degrees(cp=dist.get_world_size()), q.device.type).submesh("cp")
     bufs = [t.detach().clone() for t in (q, k, v, g)] + [positions.clone()]

@@ -1,7 +1,7 @@
 """One step of a pipeline on this rank: the schedule's forward and backward, and the microbatches' loss.
 
 :class:`Pipeline` is what the training loop calls instead of its own forward and backward when the
-layers are split into stages (:mod:`labkit.parallel.pipeline_parallel` defines the stages and the
+layers are split into stages (:mod:`labkit.parallel.pipeline.stages` defines the stages and the
 schedules). The first stage feeds the rows, the last scores them; what the others return is zero.
 Every stage's forwards and backwards are recorded on ``timeline`` (the bubble is measured there) and
 the bytes kept for backward on ``meter``.
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from labkit.parallel import pipeline_parallel as pipe
-from labkit.parallel.pipeline_timeline import ActivationMeter, Timeline
+from labkit.parallel.pipeline import stages as pipe
+from labkit.parallel.pipeline.timeline import ActivationMeter, Timeline
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

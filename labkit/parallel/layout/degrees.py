@@ -5,7 +5,7 @@ factor: as in torchtitan, the ``ep`` ranks are carved out of the ranks that alre
 weights, so ``--dp-shard 2 --ep 2`` is two ranks, each holding half the experts, and degrees copied
 from a torchtitan config mean the same run here. torchtitan lets ``ep`` take every ``cp`` rank too
 (``ep % cp == 0``); labkit refuses a mixture of experts under context parallelism
-(:func:`labkit.parallel.checks.check_layout`), so here ``ep`` divides ``dp_shard``.
+(:func:`labkit.parallel.layout.checks.check_layout`), so here ``ep`` divides ``dp_shard``.
 
 The mesh the ranks form has torchtitan's dimensions (:data:`MESH_DIMS`, outermost first): ``dp_shard``
 is split into ``dp_shard_mod_ep`` (the ranks holding the same experts, which FSDP shards them over)

@@ -4,14 +4,14 @@ Tensor parallelism splits every weight matrix of a block and the column-parallel
 (LayerNorms, row-parallel biases, embeddings and the head stay whole; a mixture-of-experts block's
 router and experts are not split by TP); expert parallelism keeps ``E / ep`` experts per block; a
 pipeline stage holds its layers, the first the embeddings, the last the final norm and a copy of the
-tied head (:func:`labkit.parallel.pipeline_parallel.stage_params`). FSDP then divides what is left by
+tied head (:func:`labkit.parallel.pipeline.stages.stage_params`). FSDP then divides what is left by
 its shard group, padding each tensor's first dimension to a multiple of it.
 """
 from __future__ import annotations
 
 from labkit.core.model import GPTConfig
-from labkit.parallel.mesh import Degrees
-from labkit.parallel.pipeline_split import Split
+from labkit.parallel.layout.mesh import Degrees
+from labkit.parallel.pipeline.split import Split
 
 
 def layer_params(cfg: GPTConfig, tp: int = 1, ep: int = 1) -> tuple[int, int]:
@@ -26,7 +26,7 @@ def layer_params(cfg: GPTConfig, tp: int = 1, ep: int = 1) -> tuple[int, int]:
 
 def params_on_rank(cfg: GPTConfig, d: Degrees, pp_rank: int = 0, schedule: str | Split | None = None) -> tuple[int, int]:
     """Parameters rank ``pp_rank`` of the pipeline holds, (dense, experts) (``schedule``: the pipeline's,
-    or its :class:`~labkit.parallel.pipeline_parallel.Split`; None without one)."""
+    or its :class:`~labkit.parallel.pipeline.stages.Split`; None without one)."""
     C, V = cfg.n_embd, cfg.vocab_size
     embeddings, final_norm = V * C + cfg.block_size * C, C * (1 + int(cfg.bias))
     dense, experts = layer_params(cfg, d.tp, d.ep)

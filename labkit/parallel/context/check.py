@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from labkit.parallel.context_parallel import ring_attention
-from labkit.parallel.cp_layout import cp_shard
-from labkit.parallel.ulysses import ulysses_attention
+from labkit.parallel.context.ring import ring_attention
+from labkit.parallel.context.layout import cp_shard
+from labkit.parallel.context.ulysses import ulysses_attention
 
 METHODS = {"ring, zig-zag": (ring_attention, "zigzag"), "ring, contiguous": (ring_attention, "contiguous"),
            "Ulysses (all-to-all)": (ulysses_attention, "contiguous")}

@@ -1,7 +1,7 @@
 """Where the experts sit: expert parallelism across nodes, each token sent once to each node it chose
 (DeepSeek-AI 2024, DeepSeek-V3, section 3.2.2).
 
-A flat all-to-all (:class:`labkit.parallel.expert_parallel.ExpertParallelPlacement`) sends every
+A flat all-to-all (:class:`labkit.parallel.experts.placement.ExpertParallelPlacement`) sends every
 token-choice to its expert's rank: a token whose k experts sit on three other nodes crosses the
 network up to k times, and of uniform traffic ``(n - per_node) / n`` leaves the node
 (:func:`labkit.comm.all_to_all.all_to_all_split`). DeepSeek-V3 sends each token "via IB to the GPUs
@@ -19,7 +19,7 @@ host their target experts", and bounds the nodes a token may choose (node-limite
 The outputs come back the same way, and the landing rank adds up a token's weighted outputs before
 they cross the network again (DeepSeek's "NVLink-to-IB forwarding and accumulation"), so the combine
 sends as many rows across nodes as the dispatch. Backward runs both all-to-alls in reverse
-(:class:`~labkit.parallel.expert_parallel.AllToAll`). :func:`routed_rows` counts the rows each
+(:class:`~labkit.parallel.experts.placement.AllToAll`). :func:`routed_rows` counts the rows each
 scheme sends from the routing alone; the lab and tests hold the bytes counted on the wire to it.
 """
 from __future__ import annotations
@@ -29,9 +29,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.core.moe_grouped import run_experts
-from labkit.parallel.expert_parallel import AllToAll, ExpertParallelPlacement
-from labkit.parallel.mesh import ParallelDims
-from labkit.parallel.mesh_nodes import node_groups
+from labkit.parallel.experts.placement import AllToAll, ExpertParallelPlacement
+from labkit.parallel.layout.mesh import ParallelDims
+from labkit.parallel.layout.mesh_nodes import node_groups
 
 
 def _splits(sizes: torch.Tensor, group) -> tuple[list[int], list[int]]:
@@ -96,7 +96,7 @@ class NodeLimitedPlacement(ExpertParallelPlacement):
 
 
 def on_nodes(per_node: int):
-    """A placement factory for :func:`~labkit.parallel.expert_parallel.place_experts`'s ``make``: two
+    """A placement factory for :func:`~labkit.parallel.experts.placement.place_experts`'s ``make``: two
     hops, ``per_node`` ranks a node; the rail and node groups are built once per mesh, by the first
     block, on every rank."""
     built: dict[int, tuple] = {}

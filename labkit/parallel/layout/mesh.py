@@ -1,7 +1,7 @@
 """One device mesh for every layout: the degree of each parallelism, and every process group a run uses.
 
 In the spirit of torchtitan's ``ParallelDims`` and picotron's process-group manager, a run's layout is
-six degrees with torchtitan's meanings (:class:`~labkit.parallel.degrees.Degrees`: the world is
+six degrees with torchtitan's meanings (:class:`~labkit.parallel.layout.degrees.Degrees`: the world is
 ``pp x dp_replicate x dp_shard x cp x tp``, and ``ep`` is carved out of ``dp_shard``), and one object
 (:class:`ParallelDims`) builds the mesh once, with ``init_device_mesh``, and hands out every group,
 rank and world size that placing the model, reading the data, reducing the loss, clipping and
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from labkit.parallel.degrees import DIMS, MESH_DIMS, Degrees
+from labkit.parallel.layout.degrees import DIMS, MESH_DIMS, Degrees
 
 __all__ = ["DIMS", "MESH_DIMS", "Degrees", "ParallelDims", "alone_mesh"]
 
