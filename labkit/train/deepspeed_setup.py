@@ -2,7 +2,7 @@
 zeroing and the schedule, so the setup hands it the micro-batches and reads what it holds."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -12,6 +12,7 @@ from labkit.train.setup import Setup
 
 if TYPE_CHECKING:
     from labkit.core.model import GPT
+    from labkit.train.probe import Probe
 
 
 class DeepSpeedSetup(Setup):
@@ -46,13 +47,20 @@ class DeepSpeedSetup(Setup):
         if self._deepspeed_checkpointing:  # DeepSpeed's own checkpointing where it has the policy
             apply_checkpointing(self.engine.module, self.cfg.activation_checkpointing, backend="deepspeed")
 
-    def engine_step(self, x: torch.Tensor, y: torch.Tensor, after_backward: Callable[[Any], None]) -> torch.Tensor:
-        """The engine's own step over this rank's micro-batches; ``after_backward(engine)`` runs between
-        the first backward and the update (what the engine frees in its step, a probe reads there)."""
+    def engine_step(self, x: torch.Tensor, y: torch.Tensor, probe: Probe) -> torch.Tensor:
+        """The engine's own step over this rank's micro-batches, run by the loop in place of its
+        ``train_step``; the probe reads the engine between the first backward and the update (what the
+        engine frees in its step)."""
         from labkit.parallel.deepspeed_zero import engine_step
 
         micros = list(zip(x.chunk(self.cfg.grad_accum), y.chunk(self.cfg.grad_accum)))
-        return engine_step(self.engine, micros, after_first_backward=after_backward)
+        return engine_step(self.engine, micros, after_first_backward=probe.after_backward)
+
+    def zero_grad(self) -> None:
+        pass  # the engine zeroes the gradients in its own step
+
+    def training_state(self) -> tuple:
+        return None, None, None, self.engine, None
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         from labkit.parallel.deepspeed_zero import full_state_dict

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -61,8 +62,6 @@ def make_setup(cfg: TrainConfig, model_cfg: GPTConfig) -> Setup:
 def train_step(setup: Setup, x: torch.Tensor, y: torch.Tensor, probe: Probe) -> torch.Tensor:
     """One optimizer step on this rank's rows of the global batch; returns this rank's mean loss."""
     cfg, placed, scaler, device = setup.cfg, setup.placed, setup.scaler, setup.device
-    if setup.engine is not None:  # DeepSpeed's engine owns backward, clipping and the update
-        return setup.engine_step(x, y, probe.after_backward)
     dtype = AUTOCAST.get(cfg.precision)
     autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
     x, y = placed.shard_batch(x, y)  # under context parallelism: this rank's chunks of each row
@@ -142,10 +141,10 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
         from labkit.fault_tolerance.changes import corpus_record
 
         meta["corpus"] = corpus_record(corpus, raw)
-    engine = setup.engine
     show = cfg.progress if cfg.progress is not None else progress.wanted(cfg.steps)  # before the lock is taken
-    ft = Resumable(cfg, meta, None if engine else setup.module, None if engine else setup.optimizer,
-                   None if engine else setup.scheduler, engine, setup.scaler, setup.placed.state_aliases)
+    ft = Resumable(cfg, meta, setup.training_state(), setup.placed.state_aliases)
+    # DeepSpeed's engine owns backward, clipping and the update: its step is its own
+    step_fn = setup.engine_step if isinstance(setup, DeepSpeedSetup) else partial(train_step, setup)
     start, losses = ft.start()
     bar = progress.bar(cfg.steps, f"{cfg.strategy} x{world}", show and rank == 0, initial=start)
     probe = Probe(setup, cfg.steps)
@@ -157,12 +156,11 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
                 with profiler.step(step), probe.step(step):
                     if cfg.input_delay_ms:  # a loader that cannot keep up: the step waits for its batch
                         time.sleep(cfg.input_delay_ms / 1e3)
-                    local = train_step(setup, x, y, probe)
+                    local = step_fn(x, y, probe)
                 profiler.after(step)
                 mine, global_ = torch.stack([local, global_loss(setup, local)]).tolist()  # one sync
                 probe.after_update(mine)  # model states before the gradients are freed
-                if engine is None:
-                    setup.optimizer.zero_grad(set_to_none=True)
+                setup.zero_grad()
                 losses.append(global_)
                 bar.update()
                 bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)

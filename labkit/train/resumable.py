@@ -11,16 +11,10 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-import torch
-import torch.nn as nn
-
 from labkit.fault_tolerance.preemption import CONTINUE, SAVE_AND_EXIT, PreemptionHandler
 from labkit.fault_tolerance.step_log import StepLog
 
 if TYPE_CHECKING:
-    from deepspeed import DeepSpeedEngine
-    from torch.optim.lr_scheduler import LRScheduler
-
     from labkit.fault_tolerance.checkpointer import Checkpointer
     from labkit.train.config import TrainConfig
 
@@ -29,11 +23,9 @@ class Resumable:
     """The training loop's side of fault tolerance: resume at the start, save every ``save_every``
     steps and at the end, and on SIGTERM/SIGUSR1 finish the step, save, stop."""
 
-    def __init__(self, cfg: TrainConfig, meta: dict,
-                 model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 scheduler: LRScheduler | None = None, engine: DeepSpeedEngine | None = None,
-                 scaler: torch.amp.GradScaler | None = None, aliases: dict[str, str] | None = None) -> None:
-        self.cfg, self.meta, self.objs = cfg, meta, (model, optimizer, scheduler, engine, scaler)
+    def __init__(self, cfg: TrainConfig, meta: dict, state: tuple, aliases: dict[str, str] | None = None) -> None:
+        # (model, optimizer, scheduler, engine, scaler): the setup's training state (Setup.training_state)
+        self.cfg, self.meta, self.objs = cfg, meta, state
         self.aliases = aliases or {}  # parameters whose optimizer state is saved under another's name
         self.log = StepLog(cfg.step_log)
         self.ckpt = None

@@ -5,7 +5,8 @@ device mesh (:func:`labkit.parallel.compose.place`, with the implementations the
 record names) and makes the optimizer and fp16's loss scaler, once :mod:`labkit.train.validate` has
 refused what the layout cannot do on this model. The step itself (forward, backward, accumulation,
 clipping, the update, the loss) is the loop's (:func:`labkit.train.loop.train_step`); a pipeline brings its own forward
-and backward, DeepSpeed's engine its own step (:class:`labkit.train.deepspeed_setup.DeepSpeedSetup`).
+and backward, DeepSpeed's engine its own step (:meth:`labkit.train.deepspeed_setup.DeepSpeedSetup.engine_step`),
+which the loop runs in its place.
 """
 from __future__ import annotations
 
@@ -96,6 +97,15 @@ class Setup:
 
     def attach(self, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any) -> None:
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
+
+    def zero_grad(self) -> None:
+        """After the step and its measurement: the gradients freed."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def training_state(self) -> tuple:
+        """What a checkpoint saves and a resume restores: ``(model, optimizer, scheduler, engine, scaler)``
+        for :mod:`labkit.fault_tolerance.resume`; a DeepSpeed engine stands for the first three."""
+        return self.module, self.optimizer, self.scheduler, None, self.scaler
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer whole, on the CPU (a collective under sharding)."""
