@@ -37,3 +37,12 @@ def test_every_printed_line_fits_the_page_column(lab, lab_metrics):
     assert lab in lab_metrics
     too_long = _output_lines(lab)
     assert not too_long, f"{lab}: printed lines over {MAX_OUTPUT_LINE} characters:\n" + "\n".join(too_long)
+
+
+@pytest.mark.parametrize("lab", list_labs())
+def test_every_lab_opens_with_one_setup_call(lab):
+    """Issue 47: a lab's first cell after its parameters makes its profile, model and base run with one
+    call (labkit.labs.start), not a dozen lines copied from lab to lab."""
+    code = [c.source for c in jupytext.read(LABS_DIR / f"{lab}.md").cells if c.cell_type == "code"]
+    assert code[1].count(f'start("{lab}", PROFILE, GPUS, OVERRIDES') == 1, code[1][:400]
+    assert not any("resolve(" in c or "textwrap.fill(f\"profile" in c for c in code), lab
