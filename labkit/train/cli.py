@@ -44,7 +44,7 @@ MODEL_HELP = {
     "moe_groups": "node-limited routing: experts in this many groups, as nodes hold them (0: off)",
     "moe_group_limit": "node-limited routing: each token to experts of at most this many groups",
 }
-CLI_ONLY = ("return_params",)  # fields a notebook sets and a command line has no use for
+NOT_FLAGS = ("return_params",)  # fields a notebook sets and a command line has no use for: no flag
 
 
 # Flags that were renamed: one line saying what each became (issue 47: one vocabulary for a layout)
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "for several ranks.", epilog=_describe_strategies())
     groups = {g: p.add_argument_group(g) for g in GROUPS}
     for f in fields(TrainConfig):
-        if f.name in CLI_ONLY:
+        if f.name in NOT_FLAGS:
             continue
         names = ["--" + f.name.replace("_", "-")]
         kind = _kind(f, f.default)
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 def flags_from(values: dict) -> list[str]:
     """Command-line flags for the ``TrainConfig`` and ``GPTConfig`` fields among ``values`` (other keys,
     and values that are not plain numbers, strings or booleans, are left out)."""
-    known = {f.name for f in (*fields(TrainConfig), *fields(GPTConfig))} - set(CLI_ONLY)
+    known = {f.name for f in (*fields(TrainConfig), *fields(GPTConfig))} - set(NOT_FLAGS)
     out: list[str] = []
     for k, v in values.items():
         if k not in known or v is None:
