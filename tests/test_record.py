@@ -21,3 +21,14 @@ def test_recorded_values_reach_the_metrics_file_as_json_holds_them(tmp_path, mon
     assert m == {"profile": "ci", "params": {"steps": 2},
                  "recorded": {"speedup": 1.5, "ranks": [2, 3], "nothing": None, "by_rank": {"0": 1.0, "1": [2, 3]}}}
     assert set(rec.GLUED) == {"speedup", "ranks", "nothing", "by_rank", "figure", "table"}
+
+
+def test_one_call_records_many_as_keywords_and_a_wrong_call_is_one_line(monkeypatch):
+    import pytest
+
+    monkeypatch.setattr(rec, "GLUED", {})
+    assert rec.record(zf_world=4, zf_steps=np.int64(20)) is None
+    assert list(rec.GLUED.items()) == [("zf_world", 4), ("zf_steps", 20)]
+    for bad in (lambda: rec.record("a"), lambda: rec.record("a", 1, b=2), lambda: rec.record(), lambda: rec.record(None, 1)):
+        with pytest.raises(TypeError, match=r"record\(name, value\) or record\(name1=value1"):
+            bad()

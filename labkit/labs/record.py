@@ -2,10 +2,11 @@
 
 The book cites every measured number through myst-nb's ``glue`` (a value stored in the executed
 notebook under a name the chapter refers to), and the tests read the lab's metrics JSON. A lab calls
-:func:`record` once per number, figure or table: the value is glued for the text (where myst-nb runs
-the notebook) and kept in :data:`GLUED`, and :func:`write_metrics` writes every recorded plain value
-into the metrics file under ``"recorded"``, so that the text and the file cannot disagree. Where
-myst-nb is not installed (a GPU image, a lab run as a plain script) the lab runs unchanged.
+:func:`record` for each number, figure or table, or once for many as keywords: each value is glued
+for the text (where myst-nb runs the notebook) and kept in :data:`GLUED`, and :func:`write_metrics`
+writes every recorded plain value into the metrics file under ``"recorded"``, so that the text and
+the file cannot disagree. Where myst-nb is not installed (a GPU image, a lab run as a plain script)
+the lab runs unchanged.
 
 Cells that only record are tagged ``remove-input`` in the labs: the book shows the code a reader
 came to read, not the bookkeeping.
@@ -65,9 +66,19 @@ def sharp_figures() -> None:
     set_matplotlib_formats("retina")
 
 
-def record(name: str, value: Any) -> Any:
-    """Record ``value`` under ``name`` for the text (glued, not displayed) and the metrics file; return it."""
-    return glue(name, value, display=False)
+_NONE = object()
+
+
+def record(name: str | None = None, value: Any = _NONE, /, **named: Any) -> Any:
+    """Record ``value`` under ``name`` for the text (glued, not displayed) and the metrics file; return it.
+
+    Many at once: ``record(zf_world=4, zf_steps=20)`` records each value under its keyword (in order)."""
+    if (value is _NONE or bool(named)) if name is not None else (value is not _NONE or not named):
+        raise TypeError("record(name, value) or record(name1=value1, ...): one value under one name, or "
+                        "keywords")
+    for key, v in named.items():
+        glue(key, v, display=False)
+    return None if name is None else glue(name, value, display=False)
 
 
 _SKIP = object()  # what JSON cannot hold
