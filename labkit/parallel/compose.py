@@ -35,6 +35,7 @@ import torch.nn as nn
 from labkit.core.model import GPT, blocks_of
 from labkit.parallel.pipeline import stages as pipe
 from labkit.parallel.activation_checkpointing import apply as apply_checkpointing
+from labkit.parallel.clipping import reduce_partial_grads
 from labkit.parallel.layout.mesh import ParallelDims
 from labkit.parallel.placed import Placed
 
@@ -91,6 +92,8 @@ def place(model: GPT, dims: ParallelDims, opts: Options, device: torch.device) -
     for part in parts:
         parallelize(part, dims, opts)
     placed = Placed(model=model, module=model, dims=dims, parts=parts, scratch_tp=opts.tp_impl == "scratch" and d.tp > 1)
+    if d.tp > 1 and opts.tp_impl != "scratch":  # sequence parallelism leaves LayerNorm gradients Partial
+        placed.finishers.append(lambda: reduce_partial_grads(placed.params))
     if pipeline_args is not None:
         placed.module = placed.model = pipe.RankStages(parts)
     _data_parallel(placed, opts, device)
@@ -106,13 +109,15 @@ def place(model: GPT, dims: ParallelDims, opts: Options, device: torch.device) -
 def build_pipeline(placed: Placed, model: GPT, pipeline_args: tuple, opts: Options, device: torch.device) -> None:
     """The schedule that runs ``placed``'s stages (torchtitan's ``pipelining_fn``, after the stages
     are placed), and this rank's copy of the tied embedding / head."""
-    from labkit.parallel.pipeline.runner import Pipeline
+    from labkit.parallel.pipeline.runner import Pipeline, sum_tied_copies
 
     placed.pipeline = Pipeline(placed.parts, placed.module, *pipeline_args, device=device, schedule=opts.pp_schedule,
                                microbatches=opts.microbatches, micro_shape=_micro_shape(model, placed.dims, opts),
                                precision=opts.precision, impl=opts.pp_impl,
                                param_dtype=torch.bfloat16 if opts.fsdp_bf16 and placed.fsdp_roots else None)
-    placed.tied = _tied_copy(placed)
+    tied = _tied_copy(placed)
+    if tied is not None:
+        placed.finishers.append(partial(sum_tied_copies, tied, placed.pipeline, placed.dims.pp_ends_group))
 
 
 def split_stages(model: GPT, dims: ParallelDims, opts: Options) -> tuple[list[pipe.GPTStage], tuple]:
@@ -158,7 +163,11 @@ def _data_parallel(placed: Placed, opts: Options, device: torch.device) -> None:
         # An expert's gradient holds the contributions of every token rank of its EP group; FSDP averaged
         # it over the ranks holding that expert (or left it alone): what is left is a division by ep.
         held_by = expert_mesh.size() if expert_mesh is not None else 1
-        placed.divide_experts = dims.degrees.tokens // held_by if dims.degrees.ep > 1 else None
+        if dims.degrees.ep > 1:
+            from labkit.parallel.experts.placement import divide_expert_grads
+
+            placed.finishers.append(lambda: divide_expert_grads(placed.params, placed.experts,
+                                                                dims.degrees.tokens // held_by))
         return
     from labkit.parallel import data_parallel as dp
 
@@ -169,7 +178,7 @@ def _data_parallel(placed: Placed, opts: Options, device: torch.device) -> None:
     else:
         placed.model = (dp.NaiveDataParallel(placed.module) if opts.dp_impl == "naive" else
                         dp.BucketedDataParallel(placed.module, bucket_cap_mb=opts.bucket_cap_mb))
-        placed.hand_sync = placed.model.finish_gradient_sync
+        placed.finishers.append(placed.model.finish_gradient_sync)
 
 
 def _context_parallel(placed: Placed, device: torch.device) -> None:

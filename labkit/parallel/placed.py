@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from labkit.parallel.clipping import dtensor_groups, reduce_partial_grads
+from labkit.parallel.clipping import dtensor_groups
 from labkit.parallel.layout.mesh import ParallelDims
 
 
@@ -30,10 +30,10 @@ class Placed:
     experts: set[int] = field(default_factory=set)  # ids of this rank's expert parameters
     scratch_tp: bool = False  # hand-written TP shards (plain tensors, ``tp_shard_dim``)
     pipeline: Any = None  # a labkit.parallel.pipeline.runner.Pipeline when the layers are staged
-    tied: nn.Parameter | None = None  # this rank's copy of the tied embedding / head, under pp > 1
     fsdp_roots: list[nn.Module] = field(default_factory=list)
-    divide_experts: int | None = None  # experts outside FSDP: their summed gradients / this
-    hand_sync: Callable[[], None] | None = None  # a hand-written data parallel's gradient synchronisation
+    # What a technique must do to the gradients between the last backward and clipping, registered by
+    # the placement that makes it necessary, in placement order (labkit.parallel.compose.place)
+    finishers: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -56,25 +56,11 @@ class Placed:
         return self.model.no_sync() if not last and hasattr(self.model, "no_sync") else nullcontext()
 
     def finish_gradients(self) -> None:
-        """Between the last backward and clipping: hand-written synchronisation, sequence-parallel
-        gradients still ``Partial``, experts outside FSDP, and the two copies of a tied matrix."""
-        if self.hand_sync is not None:
-            self.hand_sync()
-        reduce_partial_grads(self.params)
-        if self.divide_experts:
-            for p in self.params:
-                if id(p) in self.experts and p.grad is not None:
-                    p.grad.div_(self.divide_experts)
-        if self.tied is not None and self.tied.grad is not None:
-            # Like Megatron-LM's embedding group: the first and last stage each hold the matrix and
-            # get the sum of both gradients, so the copies stay equal.
-            g = self.tied.grad
-            last = self.pipeline.last
-            if self.pipeline.first is not None and last is not None:  # both copies here (a V): add them
-                g.add_(last.head.weight.grad)
-                last.head.weight.grad.copy_(g)
-            else:
-                dist.all_reduce(g.to_local() if hasattr(g, "to_local") else g, group=self.dims.pp_ends_group)
+        """Between the last backward and clipping: what each technique registered (:attr:`finishers`):
+        sequence-parallel gradients still ``Partial`` reduced, a hand-written data parallel's
+        synchronisation, experts' gradients divided, the two copies of a tied matrix summed."""
+        for finish in self.finishers:
+            finish()
 
     def norm_groups(self, p: torch.Tensor) -> tuple:
         """The groups ``p``'s gradient is split over, each element counted once in the global norm:

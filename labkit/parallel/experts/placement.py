@@ -178,3 +178,11 @@ def expected_all_to_all_bytes(tokens: int, top_k: int, hidden: int, bytes_per_el
     (:func:`labkit.comm.all_to_all.all_to_all_split`, the planner's formula)."""
     inside, leaving = all_to_all_split(ep, per_node or ep, 4 * top_k * tokens * hidden * bytes_per_element)
     return leaving if per_node else inside + leaving
+
+
+def divide_expert_grads(params: Sequence[nn.Parameter], experts: set[int], n: int) -> None:
+    """Each expert's gradient divided by ``n``: it summed the contributions of every token rank of its
+    EP group, and FSDP averaged it only over the ranks holding that expert (module docstring)."""
+    for p in params:
+        if id(p) in experts and p.grad is not None:
+            p.grad.div_(n)

@@ -73,3 +73,20 @@ class Pipeline:
         if self.last is None:
             return torch.zeros((), device=self.device)
         return torch.stack(losses).mean() / self.loss_scale
+
+
+def sum_tied_copies(tied: nn.Parameter, pipeline: Pipeline, ends_group) -> None:
+    """The tied embedding / head matrix's two gradients summed into both copies, so they stay equal
+    (Megatron-LM's embedding group): the first and last stage each hold the matrix, on two ranks
+    (all-reduced over ``ends_group``) or, in a V, both on this one."""
+    import torch.distributed as dist
+
+    g = tied.grad
+    if g is None:
+        return
+    last = pipeline.last
+    if pipeline.first is not None and last is not None:  # both copies here (a V): add them
+        g.add_(last.head.weight.grad)
+        last.head.weight.grad.copy_(g)
+    else:
+        dist.all_reduce(g.to_local() if hasattr(g, "to_local") else g, group=ends_group)
