@@ -46,3 +46,18 @@ def test_every_lab_opens_with_one_setup_call(lab):
     code = [c.source for c in jupytext.read(LABS_DIR / f"{lab}.md").cells if c.cell_type == "code"]
     assert code[1].count(f'start("{lab}", PROFILE, GPUS, OVERRIDES') == 1, code[1][:400]
     assert not any("resolve(" in c or "textwrap.fill(f\"profile" in c for c in code), lab
+
+
+def test_the_labs_are_at_most_three_code_lines_to_one_of_prose():
+    """Issue 47: thin labs. Over every lab, the non-blank, non-comment lines of code cells (exercises
+    included) are at most three times the non-blank lines of markdown: the computation lives in labkit,
+    and the page says what each cell measures and how to read it."""
+    code = prose = 0
+    for lab in list_labs():
+        for cell in jupytext.read(LABS_DIR / f"{lab}.md").cells:
+            lines = [ln.strip() for ln in cell.source.splitlines() if ln.strip()]
+            if cell.cell_type == "code":
+                code += sum(not ln.startswith("#") for ln in lines)
+            elif cell.cell_type == "markdown":
+                prose += len(lines)
+    assert code <= 3 * prose, f"{code} code lines to {prose} of prose: {code / prose:.2f} to 1"
