@@ -18,7 +18,7 @@ from labkit.train.config import GROUPS, TrainConfig
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 # One bad value per flag of `python -m labkit.train` (booleans take no value: given one, argparse refuses)
 BAD = {"strategy": "nosuch", "device": "tpu", "bucket_cap_mb": "0", "reshard_after_forward": "=1",
-       "cpu_offload": "=1", "fsdp_bf16": "=yes", "offload_optimizer": "=1", "tp": "-1", "sequence_parallel": "=1",
+       "cpu_offload": "=1", "fsdp_bf16": "=yes", "offload_optimizer": "=1", "tp": "-2", "sequence_parallel": "=1",
        "pp": "x", "microbatches": "0", "pp_schedule": "zb", "steps": "0", "batch_size": "-8", "grad_accum": "0",
        "lr": "-1", "weight_decay": "-0.1", "grad_clip": "nan", "lr_schedule": "linear", "warmup_steps": "-2",
        "seed": "-1", "precision": "fp4", "activation_checkpointing": "every:0", "checkpoint_dir": "/proc/nosuch",
@@ -28,8 +28,8 @@ BAD = {"strategy": "nosuch", "device": "tpu", "bucket_cap_mb": "0", "reshard_aft
        "corpus": "/no/such/file", "metrics": None, "count_comm": "sometimes", "peak_tflops": "-1",
        "profile_steps": "1:5", "profile_dir": ["--profile-steps", "0:1", "--profile-dir", "/proc/nosuch"],
        "tf32": [], "deterministic": "=1", "memory_snapshot": "snap", "restart_if_unusable": "=1",
-       "sync_each_microbatch": "=1", "link_gbps": "-1", "link_latency_ms": "-1", "input_delay_ms": "-5", "cp": "-1",
-       "ep": "-2", "dp_replicate": "0", "dp_shard": "-1", "moe_experts": "-1", "moe_top_k": "0", "moe_capacity_factor": "-1", "moe_aux_weight": "-0.5",
+       "sync_each_microbatch": "=1", "link_gbps": "-1", "link_latency_ms": "-1", "input_delay_ms": "-5", "cp": "-3",
+       "ep": "-2", "dp_replicate": "0", "dp_shard": "-2", "moe_experts": "-1", "moe_top_k": "0", "moe_capacity_factor": "-1", "moe_aux_weight": "-0.5",
        "moe_expert_ffn": "-1", "moe_shared": "-1", "moe_bias_rate": "-0.1", "moe_groups": "-1", "moe_group_limit": "-1",
        "pp_stages_per_rank": "-2", "pp_first_stage_less_layers": "x", "pp_last_stage_less_layers": "-1"}  # tf32, memory_snapshot: CUDA only
 

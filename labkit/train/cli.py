@@ -64,7 +64,8 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
 def _describe_strategies() -> str:
     rows = [f"  {s.name:14} {s.summary}" + (" [teaching]" if s.teaching else "") + f"\n  {'':14} = {layout(s)}"
             for s in STRATEGIES.values()]
-    return "strategies (= the degrees each name is; -1: the ranks the other degrees leave):\n" + "\n".join(rows)
+    return ("strategies: each name, then the degrees it is (-1: the ranks the other degrees leave)\n"
+            + "\n".join(rows))
 
 
 def _kind(f, default) -> dict:
