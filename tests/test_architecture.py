@@ -169,3 +169,18 @@ def test_one_site_validates_a_run():
     callers = sorted(str(p.relative_to(LABKIT)) for p in LABKIT.rglob("*.py")
                      if p.name != "checks.py" and re.search(r"\bcheck_layout\(", p.read_text()))
     assert callers == ["planning/commands.py", "train/validate.py"], callers
+
+
+def test_the_training_state_travels_as_one_stateful():
+    """Issue 47: what a checkpoint saves of the trained objects is one object with DCP's Stateful protocol,
+    for every setup (DeepSpeed's engine included), not five arguments each 'None if engine'."""
+    import inspect
+
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    from labkit.fault_tolerance.resume import TrainState, restore, training_state
+    from labkit.train.resumable import Resumable
+
+    assert isinstance(TrainState(), Stateful)
+    assert list(inspect.signature(Resumable).parameters) == ["cfg", "meta", "train"]
+    assert "train" in inspect.signature(training_state).parameters and "train" in inspect.signature(restore).parameters

@@ -30,7 +30,7 @@ from labkit.core.checks import positive_int
 from labkit.core.model import GPTConfig, build_model
 from labkit.fault_tolerance.checkpointer import Checkpointer
 from labkit.fault_tolerance.files import available_hashes, file_digest
-from labkit.fault_tolerance.resume import restore, training_state
+from labkit.fault_tolerance.resume import TrainState, restore, training_state
 
 
 def measure(model_cfg: GPTConfig, directory: str | os.PathLike, repeats: int = 3, device: str = "cpu") -> dict:
@@ -48,7 +48,7 @@ def measure(model_cfg: GPTConfig, directory: str | os.PathLike, repeats: int = 3
         ck = Checkpointer(directory / f"bench_{mode}", keep_last=1, async_save=mode == "async")
         rows = []
         for i in range(repeats):
-            stats = ck.save(i + 1, training_state(i + 1, meta, [], model, opt))
+            stats = ck.save(i + 1, training_state(i + 1, meta, [], TrainState(model, opt)))
             rows.append(ck.wait() or stats)  # async: training would run here while the thread writes
         bench[mode] = {k: min(getattr(s, k) for s in rows) for k in ("blocking_s", "total_s", "hash_s")}
         bench[mode]["bytes"] = rows[-1].bytes
@@ -56,7 +56,7 @@ def measure(model_cfg: GPTConfig, directory: str | os.PathLike, repeats: int = 3
     fresh = build_model(model_cfg).to(dev)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-4)
     t0 = time.perf_counter()
-    restore(Checkpointer(directory / "bench_sync", readonly=True), meta, fresh, fresh_opt)
+    restore(Checkpointer(directory / "bench_sync", readonly=True), meta, TrainState(fresh, fresh_opt))
     restore_s = time.perf_counter() - t0
     identical = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     files = [p for p in (directory / "bench_sync" / Checkpointer.name(repeats)).rglob("*") if p.is_file()]

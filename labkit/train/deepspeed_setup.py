@@ -12,6 +12,7 @@ from labkit.train.setup import Setup
 
 if TYPE_CHECKING:
     from labkit.core.model import GPT
+    from labkit.fault_tolerance.resume import TrainState
     from labkit.train.probe import Probe
 
 
@@ -59,8 +60,10 @@ class DeepSpeedSetup(Setup):
     def zero_grad(self) -> None:
         pass  # the engine zeroes the gradients in its own step
 
-    def training_state(self) -> tuple:
-        return None, None, None, self.engine, None
+    def training_state(self) -> TrainState:
+        from labkit.fault_tolerance.resume import TrainState
+
+        return TrainState(engine=self.engine)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         from labkit.parallel.deepspeed_zero import full_state_dict

@@ -142,7 +142,7 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
 
         meta["corpus"] = corpus_record(corpus, raw)
     show = cfg.progress if cfg.progress is not None else progress.wanted(cfg.steps)  # before the lock is taken
-    ft = Resumable(cfg, meta, setup.training_state(), setup.placed.state_aliases)
+    ft = Resumable(cfg, meta, setup.training_state())
     # DeepSpeed's engine owns backward, clipping and the update: its step is its own
     step_fn = setup.engine_step if isinstance(setup, DeepSpeedSetup) else partial(train_step, setup)
     start, losses = ft.start()

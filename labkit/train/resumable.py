@@ -16,6 +16,7 @@ from labkit.fault_tolerance.step_log import StepLog
 
 if TYPE_CHECKING:
     from labkit.fault_tolerance.checkpointer import Checkpointer
+    from labkit.fault_tolerance.resume import TrainState
     from labkit.train.config import TrainConfig
 
 
@@ -23,10 +24,8 @@ class Resumable:
     """The training loop's side of fault tolerance: resume at the start, save every ``save_every``
     steps and at the end, and on SIGTERM/SIGUSR1 finish the step, save, stop."""
 
-    def __init__(self, cfg: TrainConfig, meta: dict, state: tuple, aliases: dict[str, str] | None = None) -> None:
-        # (model, optimizer, scheduler, engine, scaler): the setup's training state (Setup.training_state)
-        self.cfg, self.meta, self.objs = cfg, meta, state
-        self.aliases = aliases or {}  # parameters whose optimizer state is saved under another's name
+    def __init__(self, cfg: TrainConfig, meta: dict, train: TrainState) -> None:
+        self.cfg, self.meta, self.train = cfg, meta, train  # what the setup trains (Setup.training_state)
         self.log = StepLog(cfg.step_log)
         self.ckpt = None
         if cfg.checkpoint_dir:  # DCP imports in ~1 s: only runs that checkpoint pay for it
@@ -51,9 +50,8 @@ class Resumable:
         try:
             from labkit.fault_tolerance.resume import restore
 
-            step, losses, self.notes = restore(self.ckpt, self.meta, *self.objs,
-                                               if_unusable="start_over" if self.cfg.restart_if_unusable else "raise",
-                                               aliases=self.aliases)
+            step, losses, self.notes = restore(self.ckpt, self.meta, self.train,
+                                               if_unusable="start_over" if self.cfg.restart_if_unusable else "raise")
         except BaseException:
             self.ckpt.close()
             raise
@@ -70,7 +68,7 @@ class Resumable:
         self._record(self.ckpt.wait())
         from labkit.fault_tolerance.resume import training_state
 
-        stats = self.ckpt.save(step, training_state(step, self.meta, losses, *self.objs, aliases=self.aliases))
+        stats = self.ckpt.save(step, training_state(step, self.meta, losses, self.train))
         self._last_saved = step
         self.log.event("save", step=step, blocking_s=stats.blocking_s, is_async=not stats.done)
         if stats.done:

@@ -19,6 +19,7 @@ from labkit.parallel.layout.mesh import ParallelDims
 
 if TYPE_CHECKING:
     from labkit.core.model import GPT, GPTConfig
+    from labkit.fault_tolerance.resume import TrainState
     from labkit.parallel.placed import Placed
     from labkit.train.config import TrainConfig
     from labkit.train.strategies import Strategy
@@ -102,10 +103,11 @@ class Setup:
         """After the step and its measurement: the gradients freed."""
         self.optimizer.zero_grad(set_to_none=True)
 
-    def training_state(self) -> tuple:
-        """What a checkpoint saves and a resume restores: ``(model, optimizer, scheduler, engine, scaler)``
-        for :mod:`labkit.fault_tolerance.resume`; a DeepSpeed engine stands for the first three."""
-        return self.module, self.optimizer, self.scheduler, None, self.scaler
+    def training_state(self) -> TrainState:
+        """What a checkpoint saves and a resume restores, one Stateful (:mod:`labkit.fault_tolerance.resume`)."""
+        from labkit.fault_tolerance.resume import TrainState
+
+        return TrainState(self.module, self.optimizer, self.scheduler, None, self.scaler, self.placed.state_aliases)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer whole, on the CPU (a collective under sharding)."""
