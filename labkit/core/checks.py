@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable
@@ -121,9 +122,15 @@ def output_file(name: str, path: Any) -> Path:
         raise ValueError(f"{name}={str(path or '')!r} is empty (an unset variable?): give a path, or leave it out")
     path = Path(path)
     try:
-        if path.exists() and not path.is_file():
+        # One stat, not exists() then is_file(): another rank probing the same name may create and
+        # remove it in between (a Slurm job's ranks refused their --metrics path so).
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISREG(st.st_mode):
             raise ValueError(f"{name}={str(path)!r} is not a regular file (a directory or a device): pass a file path")
-        existed = path.exists()
+        existed = st is not None
         with open(path, "a"):
             pass
     except OSError as e:
