@@ -28,10 +28,6 @@ def validate(cfg: TrainConfig, model_cfg: GPTConfig, world: int) -> Degrees:
         raise ValueError(f"moe_experts={model_cfg.moe_experts} (a mixture-of-experts model) is not supported with "
                          f"strategy={spec.name!r}: its routing would be decided per rank, not over the global batch; "
                          f"use strategy {' / '.join(repr(s.name) for s in STRATEGIES.values() if s.moe)}")
-    for name, least in spec.least:
-        if 0 < getattr(cfg, name) < least:
-            raise ValueError(f"{name}={getattr(cfg, name)} is too few for strategy={spec.name!r}: give {least} or "
-                             f"more; {spec.summary}")
     # the degrees given as numbers (-1 waits for the world size)
     asked = {dim: getattr(cfg, name) for dim, name in spec.degrees if getattr(cfg, name) > 0 and dim != spec.rest}
     if spec.pp_impl is not None:
@@ -42,10 +38,10 @@ def validate(cfg: TrainConfig, model_cfg: GPTConfig, world: int) -> Degrees:
     check_layout(Degrees(**asked), model_cfg, None, cfg.microbatches if staged else None, cfg.pp_schedule,
                  spec.pp_impl or "torch", cfg.sequence_parallel, split=cfg.pp_split)  # the model, then the world
     degrees = degrees_for(cfg, world)
-    for name, least in spec.least:
+    for name, least in spec.least:  # after -1 is resolved: what the name means takes at least that
         if getattr(degrees, name) < least:
-            raise ValueError(f"{name}={getattr(cfg, name)} gives {getattr(degrees, name)} on {world} rank(s), too few "
-                             f"for strategy={spec.name!r}: give {least} or more; {spec.summary}")
+            raise ValueError(f"{name}={getattr(degrees, name)} is too few for strategy={spec.name!r}: give {least} or "
+                             f"more; {spec.summary}")
     _check_run(cfg, spec, model_cfg, degrees)
     return degrees
 
