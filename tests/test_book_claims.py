@@ -74,7 +74,7 @@ def test_composing_calculator_is_short_as_stated(lab_metrics):
 
 
 def test_composing_printed_command_is_the_one_behind_the_glued_answer(lab_metrics):
-    """The chapter shows the lab's own `python -m labkit.memory` command (glued), and that command, run,
+    """The chapter shows the lab's own `python -m labkit.planning memory` command (glued), and that command, run,
     answers what the chapter says it answered (issue 46, item 12)."""
     m = lab_metrics["composing"]
     r, P = m["recorded"], m["params"]
@@ -83,7 +83,7 @@ def test_composing_printed_command_is_the_one_behind_the_glued_answer(lab_metric
     ask = r["cmp_plan_ask"]
     assert f"--device-gb {P['plan_device_gb']}" in ask and f"--seq-len {P['plan_seq_len']}" in ask
     argv = ask.split()
-    assert argv[:3] == ["python", "-m", "labkit.memory"]
+    assert argv[:4] == ["python", "-m", "labkit.planning", "memory"]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, env=env, timeout=120,
                          check=True).stdout

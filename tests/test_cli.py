@@ -10,8 +10,9 @@ import pytest
 
 from labkit.core.model import GPTConfig
 from labkit.labs.cli import main as labs_main
-from labkit.planning.cli import main as memory_main
-from labkit.planning.plan_cli import main as plan_main
+from labkit.planning.__main__ import main as planning_main
+from labkit.planning.layouts_cli import main as plan_main
+from labkit.planning.memory_cli import main as memory_main
 from labkit.train.cli import build_parser, main as train_main
 from labkit.train.config import GROUPS, TrainConfig
 
@@ -122,7 +123,7 @@ def test_memory_cli_huge_and_hostile_inputs_are_one_line(capsys, tmp_path, argv,
     assert words in _one_line_error(capsys, memory_main, argv)
 
 
-@pytest.mark.parametrize("main", [memory_main, plan_main], ids=["labkit.memory", "labkit.planning"])
+@pytest.mark.parametrize("main", [memory_main, plan_main], ids=["planning memory", "planning layouts"])
 @pytest.mark.parametrize("argv, words", [
     (["--hidden", "2147483648"], "--hidden=2147483648 is too large"),  # a traceback in the planner's search
     (["--vocab", "0"], "--vocab must be a positive integer, got 0"),  # the planner took 0 as the default
@@ -134,6 +135,55 @@ def test_model_shape_flags_are_bounded_in_one_line(capsys, main, argv, words):
     """Issue 43, item 11: every shape flag at least 1 and at most a bound past any model trained."""
     argv = {"--hidden": "64", "--layers": "2", "--heads": "2"} | dict(zip(argv[::2], argv[1::2]))
     assert words in _one_line_error(capsys, main, [x for kv in argv.items() for x in kv])
+
+
+@pytest.mark.parametrize("argv", [[], ["--model", "llama3-8b"], ["--devices", "8", "memory"], ["plan"], ["-h", "memory"]],
+                         ids=["nothing", "flags only", "flags first", "no such subcommand", "help and more"])
+def test_the_planner_without_a_subcommand_names_both_in_one_line(capsys, argv):
+    """``python -m labkit.planning`` takes a subcommand first, git-style: without one, one line naming
+    both, exit status 2, nothing on stdout."""
+    assert planning_main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert "error: " in err and "memory or layouts" in err and "Traceback" not in err, err
+
+
+def test_the_planner_names_each_subcommand_in_one_line_of_help():
+    proc = subprocess.run([sys.executable, "-m", "labkit.planning", "--help"], capture_output=True, text=True,
+                          env=ENV, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    rows = [ln.split() for ln in proc.stdout.splitlines() if ln.startswith("  ")]
+    assert [r[0] for r in rows] == ["memory", "layouts"] and all(len(r) > 4 for r in rows), proc.stdout
+    no_subcommand = subprocess.run([sys.executable, "-m", "labkit.planning"], capture_output=True, text=True,
+                                   env=ENV, timeout=120)
+    assert no_subcommand.returncode == 2 and no_subcommand.stdout == "", no_subcommand.stdout
+    assert len(no_subcommand.stderr.splitlines()) == 1 and "memory or layouts" in no_subcommand.stderr
+
+
+@pytest.mark.parametrize("sub, flag", [("memory", "--micro-batch"), ("layouts", "--global-batch")])
+def test_each_planner_subcommand_has_its_own_help(capsys, sub, flag):
+    with pytest.raises(SystemExit) as e:
+        planning_main([sub, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: python -m labkit.planning {sub} ") and flag in out, out[:300]
+
+
+def test_each_planner_subcommand_runs_its_command_and_refuses_in_its_name(capsys):
+    assert planning_main(["memory", "--model", "llama2-70b", "--devices", "8"]) == 0
+    assert "68.98 B parameters" in capsys.readouterr().out
+    assert "python -m labkit.planning layouts: error: --top" in _one_line_error(capsys, planning_main,
+                                                                                ["layouts", "--top", "0"])
+
+
+def test_python_m_labkit_memory_names_the_command_it_became():
+    """The memory package no longer runs the planner, which sits above it (.importlinter's layers hold
+    that with no exception): one line naming the new command, exit status 2."""
+    proc = subprocess.run([sys.executable, "-m", "labkit.memory", "--model", "llama2-70b"], capture_output=True,
+                          text=True, env=ENV, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert len(proc.stderr.splitlines()) == 1 and "python -m labkit.planning memory" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("argv", [["run", "nosuch"], ["run", "data_parallel", "--profile", "huge"],

@@ -61,6 +61,7 @@ RULES: list[tuple[str, str]] = [
     (r"python -m labkit compare book/labs$", "elsewhere: test_labs holds every CI run's labs against the baseline"),
     (r"python -m labkit compare .*SITE_BASELINE", "help"),
     (r"python -m labkit(\.\w+)?$", "help"),  # the entry point named in prose
+    (r"python -m labkit\.planning (memory|layouts)$", "help"),  # a subcommand named in prose
     (r"python -m labkit\.train (?!--help$|--list-strategies$)", "help"),  # its flags named in prose
     (r"python -m labkit\.course\.assignments", "help"),
     (r"python -m labkit\.course\.student_labs$", "help"),
@@ -166,7 +167,7 @@ def _help(module: str) -> str:
 def test_templates_name_an_entry_point_and_flags_that_exist(command):
     words = shlex.split(command.replace("...", " ").replace("{", " ").replace("}", " ").replace("]", " "))
     module = words[2]  # `python -m labkit run ...`: the subcommand's own --help names its flags
-    sub = len(words) > 3 and words[3].isalpha() and module in ("labkit", "labkit.course.hub")
+    sub = len(words) > 3 and words[3].isalpha() and module in ("labkit", "labkit.course.hub", "labkit.planning")
     text = _help(f"{module} {words[3]}" if sub else module)
     flags = {w.split("=")[0] for w in words if w.startswith("--")}
     absent = [f for f in flags if f not in text]

@@ -13,7 +13,7 @@ from labkit.memory.architecture import ModelShape, linear_layers
 from labkit.memory.finetune import (NF4_BITS, estimate_finetune, frozen_weight_bytes, linear_weight_params,
                                     lora_params, lora_targets)
 from labkit.memory.zero_crosscheck import GIB, cross_check_zero, deepspeed_gpu_bytes, deepspeed_host_bytes
-from labkit.planning.cli import main as memory_main
+from labkit.planning.memory_cli import main as memory_main
 
 CONFIGS = Path(__file__).parent / "data" / "hf_configs"
 

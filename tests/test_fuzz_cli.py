@@ -146,7 +146,7 @@ def _train(monkeypatch) -> Command:
 
 
 def _memory(monkeypatch) -> Command:
-    from labkit.planning.cli import build_parser, main
+    from labkit.planning.memory_cli import build_parser, main
 
     def after(flag, value, out):  # what it prints for a taken value is numbers, not nan or inf
         assert not re.search(r"\b(nan|inf)\b", out), (flag, value, out[-800:])
@@ -184,11 +184,11 @@ def _lab(monkeypatch) -> Command:
 
 
 def _planner(monkeypatch) -> Command:
-    import labkit.planning.plan_cli as plan_cli
+    import labkit.planning.layouts_cli as layouts_cli
 
-    monkeypatch.setattr(plan_cli, "search", lambda *a, **kw: [])  # a taken value: no layouts, no search
-    return Command(PLANNER_TAKES, {f: lambda v, f=f: [f, v] for f in _value_flags(plan_cli.build_parser())},
-                   plan_cli.main)
+    monkeypatch.setattr(layouts_cli, "search", lambda *a, **kw: [])  # a taken value: no layouts, no search
+    return Command(PLANNER_TAKES, {f: lambda v, f=f: [f, v] for f in _value_flags(layouts_cli.build_parser())},
+                   layouts_cli.main)
 
 
 def _gpu_check(monkeypatch) -> Command:

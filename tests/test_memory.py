@@ -106,7 +106,7 @@ def test_bad_input_is_named(call, match):
 
 
 def test_cli_prints_the_breakdown(capsys):
-    from labkit.planning.cli import main
+    from labkit.planning.memory_cli import main
 
     assert main(["--model", "llama2-70b", "--devices", "8", "--tokens", "2e12"]) == 0
     out = capsys.readouterr().out

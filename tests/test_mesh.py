@@ -176,7 +176,7 @@ def test_pipelines_with_fsdp_bf16_parameters_train_as_one_process_in_bf16():
 
 
 def test_the_chooser_prints_a_layout_and_a_command_labkit_train_parses_to_it():
-    """`python -m labkit.memory ... --json` gives the recommendation's degrees and the exact torchrun
+    """`python -m labkit.planning memory ... --json` gives the recommendation's degrees and the exact torchrun
     command for a small GPT on 8 devices whose memory only a composed layout fits; labkit.train's own
     parser reads that command back to the same layout. (A mesh command run under torchrun as written:
     the README's, below, and the planner's, tests/test_planner.py; the chooser's command trained: the
@@ -187,8 +187,8 @@ def test_the_chooser_prints_a_layout_and_a_command_labkit_train_parses_to_it():
            "--devices", "8", "--device-gb", "0.0025", "--micro-batch", "1", "--tokens", str(2 * 8 * 512),
            "--train-device", "cpu", "--json"]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    plan = json.loads(subprocess.run([sys.executable, "-m", "labkit.memory", *ask], capture_output=True, text=True,
-                                     env=env, timeout=120, check=True).stdout)
+    plan = json.loads(subprocess.run([sys.executable, "-m", "labkit.planning", "memory", *ask], capture_output=True,
+                                     text=True, env=env, timeout=120, check=True).stdout)
     run = plan["run"]
     assert plan["fits"] and not plan["stages"][0]["fits"]  # plain data parallelism would not fit
     assert run["degrees"]["cp"] * run["degrees"]["tp"] * run["degrees"]["pp"] > 1, run  # a composed layout

@@ -219,13 +219,13 @@ def test_every_prediction_prints_the_published_spread_of_its_kind():
 
 
 def _printed_command(argv: list[str]) -> str:
-    out = subprocess.run([sys.executable, "-m", "labkit.planning", *argv], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "labkit.planning", "layouts", *argv], capture_output=True, text=True,
                          timeout=120, check=True, cwd=ROOT).stdout
     return next(line.strip() for line in out.splitlines() if line.strip().startswith("torchrun "))
 
 
 def test_the_printed_command_runs_as_printed():
-    """python -m labkit.planning's run #1, pasted into a shell: a 4-stage pipeline a layer lighter at
+    """python -m labkit.planning layouts's run #1, pasted into a shell: a 4-stage pipeline a layer lighter at
     each end, trained on 4 CPU processes (the torchrun of the venv, as a reader who activated it)."""
     command = _printed_command(["--family", "gpt", "--hidden", "64", "--layers", "4", "--heads", "4", "--vocab",
                                 "256", "--seq-len", "512", "--devices", "4", "--global-batch", "4k", "--device-gb",
@@ -240,7 +240,7 @@ def test_the_printed_command_runs_as_printed():
 
 
 def test_the_memory_cli_prices_whole_steps(capsys):
-    from labkit.planning.cli import main
+    from labkit.planning.memory_cli import main
 
     assert main(["--model", "10b", "--devices", "192", "--tokens", "1e12", "--device-type", "h100-80gb",
                  "--json"]) == 0

@@ -48,8 +48,8 @@ def test_figure_is_an_svg_with_a_title_shown_by_a_chapter_with_a_caption(name):
 
 
 def test_70b_bars_carry_the_calculators_numbers():
-    """Recomputed here with the arguments of `python -m labkit.memory --model llama2-70b --devices 8
-    --device-type a100-80gb`, not taken from the generator."""
+    """Recomputed here with the arguments of `python -m labkit.planning memory --model llama2-70b
+    --devices 8 --device-type a100-80gb`, not taken from the generator."""
     configs = {"DDP": {"stage": 0}, "ZeRO-1": {"stage": 1}, "ZeRO-2": {"stage": 2}, "ZeRO-3": {"stage": 3},
                "ZeRO-3 + full recompute + optimizer offload": {"stage": 3, "recompute": "full",
                                                                "offload_optimizer": True}}

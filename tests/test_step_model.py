@@ -11,7 +11,7 @@ from labkit.memory import MODELS
 from labkit.memory.architecture import ModelShape
 from labkit.parallel.pipeline.timeline import bubble_formula
 from labkit.planning import collectives as C
-from labkit.planning import plan_cli
+from labkit.planning import layouts_cli
 from labkit.planning.hardware import HARDWARE, hardware
 from labkit.planning.published import compare, megatron_flops, median_abs_error, runs
 from labkit.planning.search import degrees, search
@@ -130,18 +130,19 @@ def test_search_lists_only_layouts_that_fit_run_and_take_the_global_batch():
 
 
 def _documented_commands() -> list[list[str]]:
-    lines = [ln.strip() for ln in plan_cli.__doc__.splitlines() if ln.strip().startswith("python -m labkit.planning")]
-    return [shlex.split(ln)[3:] for ln in lines]
+    lines = [ln.strip() for ln in layouts_cli.__doc__.splitlines()
+             if ln.strip().startswith("python -m labkit.planning layouts ")]
+    return [shlex.split(ln)[4:] for ln in lines]
 
 
 def test_every_command_in_the_cli_header_runs_as_written(capsys):
     commands = _documented_commands()
     assert len(commands) == 4
     for argv in commands:
-        assert plan_cli.main(argv) == 0, argv
+        assert layouts_cli.main(argv) == 0, argv
         out = capsys.readouterr().out
         assert "MFU" in out, (argv, out)
-    assert plan_cli.main(["--model", "llama3-405b", "--devices", "16384", "--global-batch", "16M"]) == 0
+    assert layouts_cli.main(["--model", "llama3-405b", "--devices", "16384", "--global-batch", "16M"]) == 0
     out = capsys.readouterr().out
     assert "16,777,216 tokens a step (2,048 sequences of 8,192)" in out
     assert "run #1 (2048 nodes of 8):" in out and "torchrun --nnodes 2048" in out and "sbatch --nodes=2048" in out
@@ -157,7 +158,7 @@ def test_every_command_in_the_cli_header_runs_as_written(capsys):
 ])
 def test_bad_input_is_one_line_and_exit_status_2(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        plan_cli.main(argv)
+        layouts_cli.main(argv)
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
 

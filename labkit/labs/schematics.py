@@ -238,7 +238,7 @@ MEMORY_CONFIGS = (("DDP", {"stage": 0}), ("ZeRO-1", {"stage": 1}), ("ZeRO-2", {"
 
 def memory_70b_numbers(model: str = "llama2-70b", devices: int = 8, device_type: str = "a100-80gb") -> dict:
     """The GB per device the 70B figure draws, from :func:`labkit.memory.estimate_memory` with the
-    defaults of ``python -m labkit.memory`` (micro-batch 1, the model's context, mixed precision)."""
+    defaults of ``python -m labkit.planning memory`` (micro-batch 1, the model's context, mixed precision)."""
     dev = ACCELERATORS[device_type]
     bars = {}
     for label, kw in MEMORY_CONFIGS:

@@ -15,8 +15,8 @@
 * :mod:`labkit.memory.deepspeed_states`: DeepSpeed's ZeRO model states, to the byte.
 * :mod:`labkit.memory.recompute`: what activation checkpointing saves and costs, measured.
 
-``python -m labkit.memory`` prints the per-device bytes of a configuration in a terminal
-(:mod:`labkit.planning.cli`). The calculator's names are importable from here.
+``python -m labkit.planning memory`` prints the per-device bytes of a configuration in a terminal
+(:mod:`labkit.planning.memory_cli`). The calculator's names are importable from here.
 """
 from labkit.memory.calculator import (
                                       BYTES_PER_PARAM,

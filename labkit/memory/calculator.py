@@ -8,7 +8,7 @@
   Transformer Models", section 4, generalised in :mod:`labkit.memory.activations` (re-exported
   here): bytes per layer, times the layers, plus the head.
 
-Measurement lives in :mod:`labkit.memory.probe`; ``python -m labkit.memory`` prints a breakdown.
+Measurement lives in :mod:`labkit.memory.probe`; ``python -m labkit.planning memory`` prints a breakdown.
 """
 from __future__ import annotations
 

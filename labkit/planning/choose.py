@@ -1,6 +1,6 @@
 """Which strategy: the planner's own ranking, for a question asked without a global batch.
 
-``python -m labkit.memory`` asks "``n`` devices, this micro-batch: what should I run?". That is the
+``python -m labkit.planning memory`` asks "``n`` devices, this micro-batch: what should I run?". That is the
 planner's question (:func:`labkit.planning.search.search`) with the batch it implies: ``micro_batch``
 sequences per device, ``micro_batch x n`` a step. The chooser asks the search, so the two give the
 same ranking for the same inputs; every layout is priced by the one step model

@@ -1,4 +1,4 @@
-"""What ``python -m labkit.memory`` computes, before any printing: the per-stage bytes, the
+"""What ``python -m labkit.planning memory`` computes, before any printing: the per-stage bytes, the
 recommendation, the price, and the same as one JSON-ready dict (``--json``).
 
 Fine-tuning's recommendation (:func:`choose_finetune`) is the least sharded data-parallel layout

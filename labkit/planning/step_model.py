@@ -1,7 +1,7 @@
 """A training step's time, term by term, for any DP x TP x PP x CP x EP layout of a transformer.
 
 The one model every ranking in the course prices layouts with (:mod:`labkit.planning.search`; the
-chooser of ``python -m labkit.memory`` and the strategy lab call that search), held against
+chooser of ``python -m labkit.planning memory`` and the strategy lab call that search), held against
 published runs (:mod:`labkit.planning.published`). Every rate is a named constant of
 :mod:`labkit.planning.hardware`. Per micro-batch, one pipeline rank computes for each of its layers:
 

@@ -32,4 +32,4 @@ def check_fits(cfg: TrainConfig, model: GPTConfig, world: int, local_ranks: int)
         raise ValueError(f"this run needs at least {need / GB:,.1f} GB ({states / GB:,.1f} GB of model states for "
                          f"{GPT.count_params(model):,} parameters, {act / GB:,.1f} GB of activations per rank) and "
                          f"{where} {available / GB:,.1f} GB: make n_layer, n_embd, batch_size or block_size smaller "
-                         "(python -m labkit.memory estimates a layout)")
+                         "(python -m labkit.planning memory estimates a layout)")

@@ -1,9 +1,9 @@
-"""``python -m labkit.planning``: the layouts that fit a global batch, ranked by predicted step time.
+"""``python -m labkit.planning layouts``: the layouts that fit a global batch, ranked by predicted step time.
 
-    python -m labkit.planning --model llama3-405b --devices 16384 --device-type h100-80gb --global-batch 16M
-    python -m labkit.planning --model llama3-8b --devices 64 --device-type a100-80gb --global-batch 512k --top 3
-    python -m labkit.planning --hidden 4096 --layers 32 --heads 32 --kv-heads 8 --devices 8 --global-batch 1M
-    python -m labkit.planning --published
+    python -m labkit.planning layouts --model llama3-405b --devices 16384 --device-type h100-80gb --global-batch 16M
+    python -m labkit.planning layouts --model llama3-8b --devices 64 --device-type a100-80gb --global-batch 512k --top 3
+    python -m labkit.planning layouts --hidden 4096 --layers 32 --heads 32 --kv-heads 8 --devices 8 --global-batch 1M
+    python -m labkit.planning layouts --published
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import re
 
 from labkit.core.checks import at_most, positive_count, positive_int, positive_number
 from labkit.core.cli import ArgumentParser
-from labkit.planning.cli import _shape, _shape_flags, check_shape_flags
+from labkit.planning.memory_cli import _shape, _shape_flags, check_shape_flags
 from labkit.planning.accelerators import accelerator
 from labkit.planning.commands import launch
 from labkit.planning.hardware import HARDWARE, hardware
@@ -39,7 +39,7 @@ def tokens(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="python -m labkit.planning", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m labkit.planning layouts", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="a preset (labkit.memory.MODELS: llama3-8b, llama3-70b, "
                    "llama3-405b, gpt3-175b, ...) or a Hugging Face config.json; default llama3-8b")
     _shape_flags(p)

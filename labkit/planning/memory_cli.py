@@ -1,10 +1,10 @@
-"""``python -m labkit.memory``: memory per device, a strategy, and the price of a run, in a terminal.
+"""``python -m labkit.planning memory``: memory per device, a strategy, and the price of a run, in a terminal.
 
-    python -m labkit.memory --model llama2-70b --devices 8 --device-type a100-80gb
-    python -m labkit.memory --model 10b --devices 256 --tokens 1e12 --device-type h100-80gb
-    python -m labkit.memory --model llama2-70b --finetune qlora --lora-rank 16 --devices 1 --device-type h200
-    python -m labkit.memory --model path/to/config.json --device-gb 48 --finetune lora --json
-    python -m labkit.memory --hidden 4096 --layers 32 --heads 32 --kv-heads 8 --intermediate 14336 --devices 8
+    python -m labkit.planning memory --model llama2-70b --devices 8 --device-type a100-80gb
+    python -m labkit.planning memory --model 10b --devices 256 --tokens 1e12 --device-type h100-80gb
+    python -m labkit.planning memory --model llama2-70b --finetune qlora --lora-rank 16 --devices 1 --device-type h200
+    python -m labkit.planning memory --model path/to/config.json --device-gb 48 --finetune lora --json
+    python -m labkit.planning memory --hidden 4096 --layers 32 --heads 32 --kv-heads 8 --intermediate 14336 --devices 8
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def _shape_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="python -m labkit.memory", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m labkit.planning memory", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help=f"a preset ({', '.join(sorted(MODELS))}; default llama2-7b) or a "
                    "Hugging Face config.json, or the folder holding it (llama, mistral, mixtral, qwen2, gpt2)")
     _shape_flags(p)
@@ -208,12 +208,12 @@ def _print_finetune(a, r) -> None:
 
 
 def _planning_command(a, r) -> str:
-    """The ``python -m labkit.planning`` command for the same model, devices and global batch."""
+    """The ``python -m labkit.planning layouts`` command for the same model, devices and global batch."""
     model = [f"--model {a.model}"] if a.model else [f"--{f.replace('_', '-')} {getattr(a, f)}" for f in SHAPE_FLAGS
                                                    if getattr(a, f) is not None]
     seq = [f"--seq-len {a.seq_len}"] if a.seq_len else []
     tokens = a.micro_batch * a.devices * (a.seq_len or r["shape"].seq_len)
-    return " ".join(["python -m labkit.planning", *model, *seq, f"--devices {a.devices}",
+    return " ".join(["python -m labkit.planning layouts", *model, *seq, f"--devices {a.devices}",
                      f"--device-type {r['device_type']}", f"--global-batch {tokens}"])
 
 
