@@ -7,6 +7,7 @@
   (:func:`labkit.parallel.compose.place`), its optimizer and loss scaler.
 * :mod:`labkit.train.loop`: :func:`train`, the loop, and :func:`~labkit.train.loop.train_step`, the
   step; :mod:`labkit.train.probe` and :mod:`labkit.train.figures`, what it measures;
+  :mod:`labkit.train.result`, what it returns (:class:`TrainResult`);
   :mod:`labkit.train.resumable`, its checkpoints.
 * :mod:`labkit.train.lr_schedule`: warmup and cosine decay.
 * :mod:`labkit.train.noise_scale`: the gradient noise scale measured while the GPT trains;
@@ -15,9 +16,11 @@
 """
 from labkit.train.config import TrainConfig
 from labkit.train.loop import train, train_many
+from labkit.train.result import RankFigures, TrainResult
 from labkit.train.strategies import STRATEGIES, Strategy, strategy
 
-__all__ = ["STRATEGIES", "Strategy", "TrainConfig", "main", "strategy", "train", "train_many"]
+__all__ = ["STRATEGIES", "RankFigures", "Strategy", "TrainConfig", "TrainResult", "main", "strategy", "train",
+           "train_many"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,7 @@ import resource
 import statistics
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -134,7 +134,7 @@ def _peak_tflops(cfg: TrainConfig, device: torch.device) -> float | None:
 
 
 def speed(cfg: TrainConfig, model_cfg: GPTConfig, device: torch.device, world: int, times: list[float],
-          timed: list[bool]) -> dict[str, Any]:
+          timed: list[bool]) -> dict[str, float | None]:
     """tokens/s, model TFLOP/s (the whole job and per device), MFU and HFU from the timed steps."""
     usable = [t for i, (t, ok) in enumerate(zip(times, timed)) if ok and i > 0] or times
     if not usable:

@@ -40,6 +40,7 @@ from labkit.train.deepspeed_setup import DeepSpeedSetup
 from labkit.train.lr_schedule import lr_scheduler
 from labkit.train.setup import Setup
 from labkit.train.probe import Probe
+from labkit.train.result import TrainResult
 from labkit.train.resumable import Resumable
 from labkit.train.strategies import strategy
 from labkit.train.validate import validate
@@ -109,7 +110,7 @@ def global_loss(setup: Setup, local: torch.Tensor) -> torch.Tensor:
     return loss
 
 
-def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | None = None) -> dict:
+def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | None = None) -> TrainResult:
     """Train on this process's rank (or alone); return losses, timings and per-rank figures."""
     model_cfg = model_cfg or GPTConfig()
     setup = make_setup(cfg, model_cfg)
@@ -187,6 +188,6 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
     return result
 
 
-def train_many(configs: list[TrainConfig], model_cfg: GPTConfig | None = None) -> list[dict]:
+def train_many(configs: list[TrainConfig], model_cfg: GPTConfig | None = None) -> list[TrainResult]:
     """Several runs in one process group (one launch, one DeepSpeed op build), in order."""
     return [train(c, model_cfg) for c in configs]

@@ -25,6 +25,7 @@ from labkit.memory.calculator import ModelStates
 from labkit.memory.probe import measured_model_states
 from labkit.train import instruments
 from labkit.train.figures import layout_fields, pipeline_rank_figures, predicted_model_states
+from labkit.train.result import RankFigures
 
 if TYPE_CHECKING:
     from labkit.train.setup import Setup
@@ -139,13 +140,13 @@ class Probe:
         self.rec["allocated"].append(instruments.allocated(self.device))
         self.rec["local"].append(local)
 
-    def rank_figures(self, rank: int) -> dict:
+    def rank_figures(self, rank: int) -> RankFigures:
         rec, world, states = self.rec, self.setup.dims.world, self.states
 
         def per_step(f):
             return [f(b) if b is not None else None for b in rec["comm"]]
 
-        out = {"rank": rank, "step_time_s": rec["times"], "step_timed_without_counter": rec["timed"],
+        out: RankFigures = {"rank": rank, "step_time_s": rec["times"], "step_timed_without_counter": rec["timed"],
                "allreduce_bytes_per_step": per_step(lambda b: b.get("allreduce", 0)),
                "allreduce_calls_per_step": [c.get("allreduce", 0) if c is not None else None for c in rec["calls"]],
                "comm_bytes_per_step": rec["comm"], "comm_calls_per_step": rec["calls"],
@@ -168,5 +169,5 @@ class Probe:
             out.update(pipeline_rank_figures(pipeline, rec["peaks"]))
         return out
 
-    def result_fields(self, ranks: list[dict]) -> dict[str, Any]:
+    def result_fields(self, ranks: list[RankFigures]) -> dict[str, Any]:
         return layout_fields(self.setup, ranks)

@@ -118,7 +118,7 @@ class Resumable:
             threading.Thread(target=_release_when_saved, args=(self.ckpt,), name="labkit-checkpoint-close",
                              daemon=True).start()
 
-    def finish(self) -> dict:
+    def finish(self) -> dict[str, object]:
         """Wait for the last save, restore the signal handlers; what the result reports."""
         try:
             if self.ckpt is not None:
