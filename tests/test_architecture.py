@@ -184,3 +184,34 @@ def test_the_training_state_travels_as_one_stateful():
     assert isinstance(TrainState(), Stateful)
     assert list(inspect.signature(Resumable).parameters) == ["cfg", "meta", "train"]
     assert "train" in inspect.signature(training_state).parameters and "train" in inspect.signature(restore).parameters
+
+
+def test_one_parallelism_config_carries_every_option_a_preset_takes():
+    """Issue 47: a run's layout travels as one Parallelism (degrees and implementations), built by the
+    preset's expansion alone; placement takes it whole (no Options record copied field by field), and
+    every parallel option a preset takes reaches it."""
+    import inspect
+    from dataclasses import fields
+
+    from labkit.parallel import compose
+    from labkit.parallel.layout.parallelism import Parallelism
+    from labkit.train.config import TrainConfig
+    from labkit.train.strategies import OPTIONS
+
+    assert not hasattr(compose, "Options")
+    assert inspect.signature(compose.place).parameters["par"].annotation in (Parallelism, "Parallelism")
+    own = {f.name for f in fields(Parallelism)}
+    # what is not the layout's: the emulated link (a DDP comm hook), DeepSpeed's optimizer offload,
+    # and the pipeline split's three fields, which travel as one Split
+    elsewhere = {"link_gbps", "link_latency_ms", "offload_optimizer", "pp_stages_per_rank",
+                 "pp_first_stage_less_layers", "pp_last_stage_less_layers"}
+    assert set(OPTIONS) - elsewhere <= own, set(OPTIONS) - elsewhere - own
+    changed = dict(tp=2, pp=2, microbatches=8, pp_schedule="interleaved", sequence_parallel=True,
+                   reshard_after_forward=False, fsdp_bf16=True, sync_each_microbatch=True, pp_stages_per_rank=2)
+    par = TrainConfig(strategy="mesh", **changed).parallelism
+    assert par == Parallelism(pp=2, dp_shard=-1, tp=2, pp_schedule="interleaved", pp_split=par.pp_split, microbatches=8,
+                              sequence_parallel=True, reshard_after_forward=False, fsdp_bf16=True,
+                              sync_each_microbatch=True)
+    assert par.pp_split.v == 2 and par.resolve(8).degrees.label() == "pp=2 dp_shard=2 tp=2"
+    ddp = TrainConfig(strategy="ddp", bucket_cap_mb=5.0, device="cpu").parallelism
+    assert (ddp.dp_replicate, ddp.dp_shard, ddp.dp_impl, ddp.bucket_cap_mb) == (-1, 1, "ddp", 5.0)

@@ -26,7 +26,6 @@ The order is torchtitan's (its ``parallelize`` functions), each step one call in
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -37,34 +36,12 @@ from labkit.parallel.pipeline import stages as pipe
 from labkit.parallel.activation_checkpointing import apply as apply_checkpointing
 from labkit.parallel.clipping import reduce_partial_grads
 from labkit.parallel.layout.mesh import ParallelDims
+from labkit.parallel.layout.parallelism import Parallelism
 from labkit.parallel.placed import Placed
 
 
-@dataclass(frozen=True)
-class Options:
-    """How each step of :func:`place` is done, beyond the degrees."""
-
-    activation_checkpointing: str = "none"
-    sequence_parallel: bool = False
-    tp_impl: str = "dtensor"  # or "scratch": the hand-written column/row-parallel layers
-    # "fsdp" (FSDP2, HSDP, or replication through it), "ddp", "naive", "bucketed", or "none" (a
-    # hand-written ZeRO optimizer, or DeepSpeed's engine, synchronises the gradients itself)
-    dp_impl: str = "fsdp"
-    pipeline: bool = False  # run the pipeline schedule even on one stage (the ``pp`` strategies)
-    pp_impl: str = "torch"  # or "scratch": the hand-written schedules
-    pp_schedule: str = "1f1b"
-    pp_split: pipe.Split | None = None  # stages per rank, first and last stage's layers (None: the schedule's)
-    microbatches: int = 1
-    rows: int = 1  # rows of the global batch this rank reads per step (its pipeline's microbatches)
-    precision: str = "fp32"
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-    fsdp_bf16: bool = False
-    bucket_cap_mb: float = 25.0
-    ddp_hook: object = field(default=None, compare=False)  # a DDP comm hook (the emulated slow link)
-
-
-def parallelize(part: nn.Module, dims: ParallelDims, opts: Options) -> nn.Module:
+def parallelize(part: nn.Module, dims: ParallelDims, par: Parallelism, activation_checkpointing: str = "none"
+                ) -> nn.Module:
     """One model part (the GPT, or one pipeline stage) placed along the dimensions inside it, steps 2,
     3 and 5 of the module docstring: tensor parallelism, the experts, activation checkpointing.
     Returns the part (changed in place), as torchtitan's ``parallelize`` functions do."""
@@ -72,58 +49,62 @@ def parallelize(part: nn.Module, dims: ParallelDims, opts: Options) -> nn.Module
     if d.tp > 1:
         from labkit.parallel import tensor_parallel as tpar
 
-        if opts.tp_impl == "scratch":
+        if par.tp_impl == "scratch":
             tpar.parallelize_scratch(part, dims.group("tp"))
         else:
-            tpar.parallelize_dtensor(part, dims.submesh("tp"), opts.sequence_parallel)
+            tpar.parallelize_dtensor(part, dims.submesh("tp"), par.sequence_parallel)
     from labkit.parallel.experts.placement import place_experts
 
     place_experts(part, dims)  # every MoE block routes over the global batch, even with ep = 1
-    apply_checkpointing(part, opts.activation_checkpointing)
+    apply_checkpointing(part, activation_checkpointing)
     return part
 
 
-def place(model: GPT, dims: ParallelDims, opts: Options, device: torch.device) -> Placed:
-    """This rank's share of ``model`` under the layout ``dims``, in the module docstring's order: its
-    pipeline stages (:func:`split_stages`), each :func:`parallelize`-d, then data parallelism over them
-    all, context parallelism, and the pipeline's schedule (:func:`build_pipeline`)."""
+def place(model: GPT, dims: ParallelDims, par: Parallelism, device: torch.device, *, rows: int,
+          precision: str = "fp32", activation_checkpointing: str = "none", ddp_hook: object = None) -> Placed:
+    """This rank's share of ``model`` under the parallelism ``par`` on the mesh ``dims``, in the module
+    docstring's order: its pipeline stages (:func:`split_stages`), each :func:`parallelize`-d, then data
+    parallelism over them all, context parallelism, and the pipeline's schedule (:func:`build_pipeline`).
+    ``rows``: the rows of the global batch this rank reads per step (its pipeline's microbatches);
+    ``ddp_hook``: a DDP comm hook (the emulated slow link)."""
     d = dims.degrees
-    parts, pipeline_args = split_stages(model, dims, opts) if opts.pipeline or d.pp > 1 else ([model], None)
+    parts, pipeline_args = split_stages(model, dims, par) if par.pipelined else ([model], None)
     for part in parts:
-        parallelize(part, dims, opts)
-    placed = Placed(model=model, module=model, dims=dims, parts=parts, scratch_tp=opts.tp_impl == "scratch" and d.tp > 1)
-    if d.tp > 1 and opts.tp_impl != "scratch":  # sequence parallelism leaves LayerNorm gradients Partial
+        parallelize(part, dims, par, activation_checkpointing)
+    placed = Placed(model=model, module=model, dims=dims, parts=parts, scratch_tp=par.tp_impl == "scratch" and d.tp > 1)
+    if d.tp > 1 and par.tp_impl != "scratch":  # sequence parallelism leaves LayerNorm gradients Partial
         placed.finishers.append(lambda: reduce_partial_grads(placed.params))
     if pipeline_args is not None:
         placed.module = placed.model = pipe.RankStages(parts)
-    _data_parallel(placed, opts, device)
+    _data_parallel(placed, par, device, ddp_hook)
     # by name, once FSDP has replaced the parameters with its DTensor shards
     placed.experts = {id(p) for name, p in placed.module.named_parameters() if ".experts." in name}
     if d.cp > 1:  # after DDP's bucket-priming forward, a one-token batch the ring could not split
         _context_parallel(placed, device)
     if pipeline_args is not None:
-        build_pipeline(placed, model, pipeline_args, opts, device)
+        build_pipeline(placed, model, pipeline_args, par, device, rows, precision)
     return placed
 
 
-def build_pipeline(placed: Placed, model: GPT, pipeline_args: tuple, opts: Options, device: torch.device) -> None:
+def build_pipeline(placed: Placed, model: GPT, pipeline_args: tuple, par: Parallelism, device: torch.device,
+                   rows: int, precision: str) -> None:
     """The schedule that runs ``placed``'s stages (torchtitan's ``pipelining_fn``, after the stages
     are placed), and this rank's copy of the tied embedding / head."""
     from labkit.parallel.pipeline.runner import Pipeline, sum_tied_copies
 
-    placed.pipeline = Pipeline(placed.parts, placed.module, *pipeline_args, device=device, schedule=opts.pp_schedule,
-                               microbatches=opts.microbatches, micro_shape=_micro_shape(model, placed.dims, opts),
-                               precision=opts.precision, impl=opts.pp_impl,
-                               param_dtype=torch.bfloat16 if opts.fsdp_bf16 and placed.fsdp_roots else None)
+    placed.pipeline = Pipeline(placed.parts, placed.module, *pipeline_args, device=device, schedule=par.pp_schedule,
+                               microbatches=par.microbatches, micro_shape=_micro_shape(model, placed.dims, par, rows),
+                               precision=precision, impl=par.pp_impl or "torch",
+                               param_dtype=torch.bfloat16 if par.fsdp_bf16 and placed.fsdp_roots else None)
     tied = _tied_copy(placed)
     if tied is not None:
         placed.finishers.append(partial(sum_tied_copies, tied, placed.pipeline, placed.dims.pp_ends_group))
 
 
-def split_stages(model: GPT, dims: ParallelDims, opts: Options) -> tuple[list[pipe.GPTStage], tuple]:
+def split_stages(model: GPT, dims: ParallelDims, par: Parallelism) -> tuple[list[pipe.GPTStage], tuple]:
     """This rank's stages (two chunks per rank when interleaved, r and r + pp; in a V, r and 2 pp - 1 - r)."""
     pp, rank = dims.degrees.pp, dims.coords["pp"]
-    split = opts.pp_split or pipe.Split(opts.pp_schedule)
+    split = par.pp_split or pipe.Split(par.pp_schedule)
     n_stages = split.n_stages(pp)
     stages = [pipe.GPTStage(model, i, n_stages, split.first_less, split.last_less) for i in split.indices(rank, pp)]
     if stages[0].first and stages[-1].last and n_stages > 1:
@@ -134,19 +115,19 @@ def split_stages(model: GPT, dims: ParallelDims, opts: Options) -> tuple[list[pi
     return stages, (n_stages, rank, pp, dims.group("pp"))
 
 
-def _micro_shape(model: GPT, dims: ParallelDims, opts: Options) -> tuple[int, int, int, int, int]:
+def _micro_shape(model: GPT, dims: ParallelDims, par: Parallelism, rows: int) -> tuple[int, int, int, int, int]:
     """(rows, tokens, tokens between stages, hidden, vocab) of one microbatch on this rank."""
     c, d = model.config, dims.degrees
     tokens = c.block_size // d.cp
-    between = tokens // d.tp if opts.sequence_parallel and d.tp > 1 else tokens
-    return opts.rows // opts.microbatches, tokens, between, c.n_embd, c.vocab_size
+    between = tokens // d.tp if par.sequence_parallel and d.tp > 1 else tokens
+    return rows // par.microbatches, tokens, between, c.n_embd, c.vocab_size
 
 
-def _data_parallel(placed: Placed, opts: Options, device: torch.device) -> None:
+def _data_parallel(placed: Placed, par: Parallelism, device: torch.device, ddp_hook: object) -> None:
     dims = placed.dims
-    if dims.degrees.tokens == 1 or opts.dp_impl == "none":  # alone, or the optimizer synchronises
+    if dims.degrees.tokens == 1 or par.dp_impl == "none":  # alone, or the optimizer synchronises
         return
-    if opts.dp_impl == "fsdp":
+    if par.dp_impl == "fsdp":
         from labkit.parallel.fsdp import apply_fsdp
 
         expert_mesh = dims.expert_mesh()
@@ -157,9 +138,8 @@ def _data_parallel(placed: Placed, opts: Options, device: torch.device) -> None:
         # were the shards, which the graph never used, and W differentiated nothing: under zbv the last
         # stage's gradients (tied head included) were None and the middle stages' about half; zb hung
         # in the tied sum, dualpipev trained wrong.
-        pipelined = opts.pipeline or dims.degrees.pp > 1
-        placed.fsdp_roots = apply_fsdp(placed.parts, dims.dp_mesh(), opts.reshard_after_forward and not pipelined,
-                                       opts.cpu_offload, opts.fsdp_bf16, expert_mesh, device)
+        placed.fsdp_roots = apply_fsdp(placed.parts, dims.dp_mesh(), par.reshard_after_forward and not par.pipelined,
+                                       par.cpu_offload, par.fsdp_bf16, expert_mesh, device)
         # An expert's gradient holds the contributions of every token rank of its EP group; FSDP averaged
         # it over the ranks holding that expert (or left it alone): what is left is a division by ep.
         held_by = expert_mesh.size() if expert_mesh is not None else 1
@@ -171,13 +151,13 @@ def _data_parallel(placed: Placed, opts: Options, device: torch.device) -> None:
         return
     from labkit.parallel import data_parallel as dp
 
-    if opts.dp_impl == "ddp":
-        placed.model = dp.wrap_ddp(placed.module, device, opts.bucket_cap_mb, group=dims.tokens_group)
-        if opts.ddp_hook is not None:
-            placed.model.register_comm_hook(None, opts.ddp_hook)
+    if par.dp_impl == "ddp":
+        placed.model = dp.wrap_ddp(placed.module, device, par.bucket_cap_mb, group=dims.tokens_group)
+        if ddp_hook is not None:
+            placed.model.register_comm_hook(None, ddp_hook)
     else:
-        placed.model = (dp.NaiveDataParallel(placed.module) if opts.dp_impl == "naive" else
-                        dp.BucketedDataParallel(placed.module, bucket_cap_mb=opts.bucket_cap_mb))
+        placed.model = (dp.NaiveDataParallel(placed.module) if par.dp_impl == "naive" else
+                        dp.BucketedDataParallel(placed.module, bucket_cap_mb=par.bucket_cap_mb))
         placed.finishers.append(placed.model.finish_gradient_sync)
 
 

@@ -2,7 +2,9 @@
 
 * :mod:`labkit.train.config`: :class:`TrainConfig`, a run described field by field.
 * :mod:`labkit.train.strategies`: every strategy as one record (what it shards, its ZeRO stage,
-  its communication per step, the options it takes, what it cannot do, its degrees on the mesh).
+  its communication per step, the options it takes, what it cannot do), a name that expands to one
+  :class:`~labkit.parallel.layout.parallelism.Parallelism` (:func:`~labkit.train.strategies.expand`).
+* :mod:`labkit.train.validate`: the one place a run is checked; it returns that parallelism resolved.
 * :mod:`labkit.train.setup`, :mod:`labkit.train.deepspeed_setup`: how a strategy places the model
   (:func:`labkit.parallel.compose.place`), its optimizer and loss scaler.
 * :mod:`labkit.train.loop`: :func:`train`, the loop, and :func:`~labkit.train.loop.train_step`, the

@@ -35,12 +35,12 @@ def predicted_model_states(setup: Setup) -> dict[str, int]:
     d, spec, n_params = setup.dims.degrees, setup.spec, GPT.count_params(setup.model_cfg)
     if spec.deepspeed:
         return asdict(model_state_breakdown(n_params, setup.dims.world, spec.zero_stage, "fp32_master"))
-    if spec.dp_impl != "fsdp":  # replicated, or the hand-written ZeRO-1's optimizer slice
+    if setup.par.dp_impl != "fsdp":  # replicated, or the hand-written ZeRO-1's optimizer slice
         return asdict(model_state_breakdown(n_params, setup.dims.world, spec.zero_stage, "fp32"))
     from labkit.parallel.layout.sizes import params_on_rank
 
     dense, experts = params_on_rank(setup.model_cfg, d, setup.dims.coords["pp"],
-                                    setup.cfg.pp_schedule if setup.pipelined else None)
+                                    setup.par.pp_schedule if setup.par.pipelined else None)
     return _fp32_adamw_states(dense / d.shard + experts / d.dp_shard_mod_ep)
 
 
@@ -58,23 +58,23 @@ def pipeline_rank_figures(pipeline: Pipeline, peaks: list[int]) -> dict[str, Any
 
 
 def _pipeline_fields(setup: Setup, ranks: list[dict]) -> dict[str, Any]:
-    cfg, d = setup.cfg, setup.dims.degrees
+    par, d = setup.par, setup.dims.degrees
     steps = len(ranks[0]["events"])
     steps_events = [[Event(**e) for r in ranks if _same_pipeline(r, ranks[0]) for e in r["events"][i]]
                     for i in range(steps)]
     per_step = [bubble_fraction(evs) for evs in steps_events]
     for r in ranks:
         del r["events"]
-    split = cfg.pp_split
+    split = par.pp_split
     virtual, n_stages = split.v, split.n_stages(d.pp)
     stage_params = [sum(pipe.stage_params(setup.model_cfg, n_stages, i, split.first_less, split.last_less)
                         for i in split.indices(r, d.pp)) for r in range(d.pp)]
-    return {"pp": d.pp, "microbatches": cfg.microbatches, "pp_schedule": cfg.pp_schedule,
-            "impl": setup.spec.pp_impl or "torch", "virtual_stages": virtual,
+    return {"pp": d.pp, "microbatches": par.microbatches, "pp_schedule": par.pp_schedule,
+            "impl": par.pp_impl or "torch", "virtual_stages": virtual,
             "stage_layers": split.bounds(setup.model_cfg.n_layer, d.pp),
             "bubble_fraction": statistics.median(per_step[1:] or per_step) if per_step else None,
-            "bubble_fraction_per_step": per_step, "bubble_formula": (None if cfg.pp_schedule in pipe.ZERO_BUBBLE  # no closed form: measured
-                                                      else bubble_formula(d.pp, cfg.microbatches, virtual)),
+            "bubble_fraction_per_step": per_step, "bubble_formula": (None if par.pp_schedule in pipe.ZERO_BUBBLE  # no closed form: measured
+                                                      else bubble_formula(d.pp, par.microbatches, virtual)),
             "timeline": [e.__dict__ for e in steps_events[-1]] if steps_events else [],
             "predicted_params_per_rank": stage_params}
 
@@ -97,7 +97,7 @@ def layout_fields(setup: Setup, ranks: list[dict]) -> dict[str, Any]:
                            "predicted_model_state_bytes": predicted_model_states(setup)}
     rows = cfg.batch_size // dims.data_world
     if "tp" in named:
-        out.update(tp=d.tp, dp=dims.data_world, impl=setup.spec.tp_impl, sequence_parallel=cfg.sequence_parallel,
+        out.update(tp=d.tp, dp=dims.data_world, impl=setup.par.tp_impl, sequence_parallel=setup.par.sequence_parallel,
                    comm_formula_bytes_per_step=m.n_layer * tpar.comm_bytes_per_layer(
                        rows, m.block_size // d.cp, m.n_embd, 4 if cfg.precision == "fp32" else 2))
     if "cp" in named:
@@ -108,7 +108,7 @@ def layout_fields(setup: Setup, ranks: list[dict]) -> dict[str, Any]:
             * per_call["forward"])
     if "ep" in named and d.ep > 1:  # on the mesh, a degree of 1 would say dp = world over a TP layout
         out.update(ep=d.ep, dp=dims.world // d.ep)
-    if "dp_replicate" in named and setup.spec.dp_impl == "fsdp":
+    if "dp_replicate" in named and setup.par.dp_impl == "fsdp":
         psi = 4 * n_params
         out.update(replicas=d.dp_replicate, shard_group=d.shard,
                    comm_formula=hsdp_formula(psi, dims.world, dims.world // d.shard))

@@ -32,7 +32,6 @@ from labkit.core.model import GPT, GPTConfig, build_model
 from labkit.core.moe_routing import update_router_biases
 from labkit.fault_tolerance.rng import seed_rngs
 from labkit.parallel.clipping import clip_grad_norm_
-from labkit.parallel.layout.mesh import ParallelDims
 from labkit.parallel.pipeline.stages import V_SHAPED
 from labkit.train import instruments
 from labkit.train.config import TrainConfig
@@ -56,8 +55,8 @@ def make_setup(cfg: TrainConfig, model_cfg: GPTConfig) -> Setup:
     if spec.needs_group and not dist.is_initialized():
         raise ValueError(f"strategy={spec.name!r} needs a process group: run it under labkit.launch.launch or "
                          "torchrun (python -m labkit.train starts a one-rank group by itself)")
-    dims = ParallelDims(validate(cfg, model_cfg, world), cfg.device)
-    return (DeepSpeedSetup if spec.deepspeed else Setup)(cfg, spec, model_cfg, current_device(cfg.device), dims)
+    par = validate(cfg, model_cfg, world)
+    return (DeepSpeedSetup if spec.deepspeed else Setup)(cfg, spec, par, model_cfg, current_device(cfg.device))
 
 
 def train_step(setup: Setup, x: torch.Tensor, y: torch.Tensor, probe: Probe) -> torch.Tensor:
@@ -74,7 +73,7 @@ def train_step(setup: Setup, x: torch.Tensor, y: torch.Tensor, probe: Probe) -> 
         loss = torch.zeros((), device=device)
         micros = list(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum)))
         for i, (xm, ym) in enumerate(micros):
-            with placed.sync(i == len(micros) - 1 or cfg.sync_each_microbatch):
+            with placed.sync(i == len(micros) - 1 or setup.par.sync_each_microbatch):
                 with autocast:
                     micro = placed.model(xm, ym)[1] / len(micros)  # the step's loss: the micro-batches' mean
                 (scaler.scale(micro) if scaler else micro).backward()
@@ -105,7 +104,7 @@ def global_loss(setup: Setup, local: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(loss, group=dims.tokens_group)
         loss /= dims.degrees.tokens
     if dims.degrees.pp > 1:  # the last stage's rank: the last, or in a V-shaped schedule the first
-        last = 0 if setup.cfg.pp_schedule in V_SHAPED else dims.degrees.pp - 1
+        last = 0 if setup.par.pp_schedule in V_SHAPED else dims.degrees.pp - 1
         dist.broadcast(loss, src=dims.pp_peer(last), group=dims.group("pp"))
     return loss
 

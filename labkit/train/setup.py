@@ -1,8 +1,8 @@
 """How a strategy places the model for the one loop, and what it builds to train it.
 
 A :class:`Setup` is what differs between strategies and nothing else: it lays the plain GPT on the
-device mesh (:func:`labkit.parallel.compose.place`, with the implementations the strategy's
-record names) and makes the optimizer and fp16's loss scaler, once :mod:`labkit.train.validate` has
+device mesh (:func:`labkit.parallel.compose.place`, given the run's one
+:class:`~labkit.parallel.layout.parallelism.Parallelism`) and makes the optimizer and fp16's loss scaler, once :mod:`labkit.train.validate` has
 refused what the layout cannot do on this model. The step itself (forward, backward, accumulation,
 clipping, the update, the loss) is the loop's (:func:`labkit.train.loop.train_step`); a pipeline brings its own forward
 and backward, DeepSpeed's engine its own step (:meth:`labkit.train.deepspeed_setup.DeepSpeedSetup.engine_step`),
@@ -20,6 +20,7 @@ from labkit.parallel.layout.mesh import ParallelDims
 if TYPE_CHECKING:
     from labkit.core.model import GPT, GPTConfig
     from labkit.fault_tolerance.resume import TrainState
+    from labkit.parallel.layout.parallelism import Parallelism
     from labkit.parallel.placed import Placed
     from labkit.train.config import TrainConfig
     from labkit.train.strategies import Strategy
@@ -31,39 +32,31 @@ class Setup:
 
     engine = None  # DeepSpeed's engine, when it owns the step
 
-    def __init__(self, cfg: TrainConfig, spec: Strategy, model_cfg: GPTConfig, device: torch.device,
-                 dims: ParallelDims) -> None:
-        self.cfg, self.spec, self.model_cfg, self.device, self.dims = cfg, spec, model_cfg, device, dims
+    def __init__(self, cfg: TrainConfig, spec: Strategy, par: Parallelism, model_cfg: GPTConfig,
+                 device: torch.device) -> None:
+        self.cfg, self.spec, self.par, self.model_cfg, self.device = cfg, spec, par, model_cfg, device
+        self.dims = ParallelDims(par.degrees, device.type)
         self.placed: Placed | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         self.scaler: torch.amp.GradScaler | None = None
 
-    @property
-    def pipelined(self) -> bool:
-        return self.spec.pp_impl is not None or self.dims.degrees.pp > 1
-
     def place(self, model: GPT) -> None:
-        from labkit.parallel.compose import Options, place
+        from labkit.parallel.compose import place
 
-        cfg, spec = self.cfg, self.spec
+        cfg = self.cfg
         hook = None
         if cfg.link_gbps:
             from labkit.comm.slow_link import slow_link_hook
 
             hook = slow_link_hook(cfg.link_gbps, cfg.link_latency_ms)
-        opts = Options(activation_checkpointing=cfg.activation_checkpointing, sequence_parallel=cfg.sequence_parallel,
-                       tp_impl=spec.tp_impl, dp_impl=spec.dp_impl, pipeline=spec.pp_impl is not None,
-                       pp_impl=spec.pp_impl or "torch", pp_schedule=cfg.pp_schedule, pp_split=cfg.pp_split,
-                       microbatches=cfg.microbatches,
-                       rows=cfg.batch_size // self.dims.data_world, precision=cfg.precision,
-                       reshard_after_forward=cfg.reshard_after_forward, cpu_offload=cfg.cpu_offload,
-                       fsdp_bf16=cfg.fsdp_bf16, bucket_cap_mb=cfg.bucket_cap_mb, ddp_hook=hook)
         if cfg.precision.startswith("fp8"):  # before any wrapper: DDP and FSDP2 see the FP8 linears
             from labkit.device.fp8 import to_fp8
 
             to_fp8(model, "block" if cfg.precision == "fp8-block" else "tensor")
-        self.placed = place(model, self.dims, opts, self.device)
+        self.placed = place(model, self.dims, self.par, self.device, rows=cfg.batch_size // self.dims.data_world,
+                            precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing,
+                            ddp_hook=hook)
 
     @property
     def module(self) -> nn.Module:

@@ -3,16 +3,20 @@
 A :class:`Strategy` says what the strategy splits over the ranks, which ZeRO stage its memory
 follows (:mod:`labkit.memory`), how many bytes each rank sends per step in the ZeRO paper's unit,
 which options it takes, what it cannot do, and, as data, how it lays the model on the device mesh:
-its degrees (:class:`labkit.parallel.layout.mesh.Degrees`, from the config and the world size) and which
-implementation each step of the placement uses (:mod:`labkit.parallel.compose`). The named
-strategies are presets of degrees; ``mesh`` takes any degrees. Records are data: they import
+its degrees and which implementation each step of the placement uses. :func:`expand` turns the name
+and a config's flags into the run's one :class:`~labkit.parallel.layout.parallelism.Parallelism`,
+which is all that placement (:mod:`labkit.parallel.compose`) reads. The named strategies are
+presets of degrees; ``mesh`` takes any degrees. Records are data: they import
 nothing of the config or the plans (:mod:`labkit.train.config` checks a config against them).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
 from labkit.core.checks import one_of
 from labkit.parallel.layout.mesh import DIMS
+from labkit.parallel.layout.parallelism import Parallelism
 
 ALL_PRECISIONS = ("fp32", "bf16", "fp16")
 # FP8 emulated (labkit.device.fp8): where the linears are plain modules or FSDP2 gathers them whole
@@ -115,12 +119,6 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
 )}
 # Options some strategies take and the others refuse: every strategy-specific TrainConfig field.
 OPTIONS = tuple(sorted({o for s in STRATEGIES.values() for o in s.options}))
-# Why each dimension's degree must divide the world size, in the words of the one-line error
-WHY = {"tp": "(data-parallel x tensor-parallel ranks)",
-       "cp": "groups of cp ranks share each sequence, the world_size/cp groups are data parallel",
-       "ep": "each group of ep ranks holds all the experts, carved out of the dp_shard ranks",
-       "pp": "pp stages, the world_size/pp groups of them data parallel",
-       "dp_replicate": "each of the replicas holds a copy sharded over world_size/replicas ranks"}
 
 
 def strategy(name: str) -> Strategy:
@@ -145,3 +143,34 @@ def layout(spec: Strategy) -> str:
     if len(own) > 1:
         return f"{', '.join(map(flag, own))} as given (unset: 1), {flag(spec.rest)} -1"
     return " ".join([*(f"{flag(dim)} N" for dim in own), flag(spec.rest), "-1"])
+
+
+def expand(spec: Strategy, cfg: Any) -> Parallelism:
+    """The one :class:`~labkit.parallel.layout.parallelism.Parallelism` that preset ``spec`` names with
+    the degrees and options ``cfg`` (a :class:`~labkit.train.config.TrainConfig`) gives: its own degree
+    -1 unless given, the dimension it leaves the ranks to (``rest``) -1 unless another is; a one-line
+    ValueError for two -1s."""
+    given: dict[str, int] = {}
+    for dim, name in spec.degrees:
+        value = getattr(cfg, name) or (spec.unset if dim != spec.rest else 0)  # 0: not given
+        if value:
+            given[dim] = value
+    rest = [d for d, v in given.items() if v == -1]
+    if len(rest) > 1:
+        raise ValueError(f"{' and '.join(f'{d}=-1' for d in rest)}: only one degree can take the ranks the others "
+                         "leave; give the others as numbers")
+    if rest == ["ep"]:  # ep is carved out of dp_shard: the ranks left shard the weights and split the experts
+        if "dp_shard" in given:
+            raise ValueError(f"ep=-1 with dp_shard={given['dp_shard']}: ep is carved out of dp_shard, so -1 "
+                             "cannot take the ranks left; give ep as a number")
+        given["dp_shard"] = -1
+    elif given.get("ep", 1) > 1 and spec.rest != "dp_shard" and "dp_shard" not in given:
+        given["dp_shard"] = given["ep"]  # ep is carved out of dp_shard (torchtitan): the least that holds it
+    if not rest and spec.rest not in given:
+        given[spec.rest] = -1
+    return Parallelism(**{d: given.get(d, 1) for d in DIMS}, dp_impl=spec.dp_impl, tp_impl=spec.tp_impl,
+                       pp_impl=spec.pp_impl, pp_schedule=cfg.pp_schedule, pp_split=cfg.pp_split,
+                       microbatches=cfg.microbatches, sequence_parallel=cfg.sequence_parallel,
+                       reshard_after_forward=cfg.reshard_after_forward, cpu_offload=cfg.cpu_offload,
+                       fsdp_bf16=cfg.fsdp_bf16, bucket_cap_mb=cfg.bucket_cap_mb,
+                       sync_each_microbatch=cfg.sync_each_microbatch)
