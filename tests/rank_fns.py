@@ -211,3 +211,35 @@ def bench_without_2_13_collective_names() -> list:
             delattr(dist, name)
     return [r.op for r in bench(["all_gather", "reduce_scatter"], [4096], torch.device("cpu"), warmup=1,
                                 target_ms=1.0)]
+
+
+def first_gradients(cfg, model_cfg) -> dict:
+    """The full gradients the loop hands the optimizer after step 0's backward (the optimizer's step
+    replaced by a capture), by parameter name: this rank's, sharded ones gathered whole."""
+    from torch.distributed.tensor import DTensor
+
+    from labkit.core.data import get_batch, load_corpus, train_val_split
+    from labkit.core.model import build_model
+    from labkit.fault_tolerance.rng import seed_rngs
+    from labkit.train.loop import make_setup, train_step
+    from labkit.train.probe import Probe
+
+    setup = make_setup(cfg, model_cfg)
+    seed_rngs(cfg.seed, setup.dims.data_rank)
+    setup.place(build_model(model_cfg, seed=cfg.seed))
+    optimizer = setup.make_optimizer()
+    setup.attach(optimizer, None, None)
+    grads = {}
+
+    def capture() -> None:
+        for name, p in setup.module.named_parameters():
+            if p.grad is not None:
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                grads[name] = g.detach().cpu().clone()
+
+    optimizer.step = capture
+    data = train_val_split(load_corpus(None)).train
+    x, y = get_batch(data, 0, cfg.batch_size, model_cfg.block_size, cfg.seed, setup.dims.data_rank,
+                     setup.dims.data_world)
+    train_step(setup, x, y, Probe(setup, 1))
+    return grads

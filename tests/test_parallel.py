@@ -111,3 +111,28 @@ def test_functional_and_coalesced_collectives_are_counted_whole():
                    "coalesced all-reduce": {"allreduce": 32}, "coalesced all-gather": {"allgather_base": 64},
                    "coalesced reduce-scatter": {"reduce_scatter_base": 64}}
     assert ring_volume(got["coalesced all-gather"], 2) == 32 and ring_volume(got["coalesced all-reduce"], 2) == 32
+
+
+# Data parallelism's normalisation, held on the gradient itself: AdamW divides by sqrt(v), so a
+# gradient off by a constant factor (a division by the token ranks done twice, or not at all) trains
+# to within the parameter tolerances above; the gradient it hands the optimizer shows it.
+GRAD_LAYOUTS = {
+    "fsdp": (dict(strategy="fsdp"), MODEL),  # FSDP2 sums a loss over the global token count
+    "ddp": (dict(strategy="ddp"), MODEL),  # DDP averages each rank's mean
+    "dp_shard 2 cp 2": (dict(dp_shard=2, cp=2), MODEL),  # FSDP over rows and tokens (4 ranks)
+    "dp_shard 2 ep 2": (dict(dp_shard=2, ep=2), replace(MODEL, moe_experts=4)),  # experts summed whole
+}
+
+
+@pytest.mark.parametrize("name", list(GRAD_LAYOUTS))
+def test_the_optimizer_gets_the_global_batchs_gradient(name):
+    fields, model = GRAD_LAYOUTS[name]
+    cfg = TrainConfig(batch_size=8, grad_clip=0.0, **fields)
+    world = 4 if "cp" in fields else 2
+    ref = rank_fns.first_gradients(TrainConfig(batch_size=8, grad_clip=0.0), model)
+    got: dict = {}
+    for rank in launch(rank_fns.first_gradients, cfg, model, world_size=world, quiet=True):
+        got.update(rank)  # an expert's gradient lives on the ranks that hold it
+    assert set(got) == set(ref), set(got) ^ set(ref)
+    for n, g in ref.items():
+        torch.testing.assert_close(got[n], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name} {n}: {m}")

@@ -232,8 +232,8 @@ class MoEMLP(nn.Module):
     def _aux(self, probs: torch.Tensor, total: torch.Tensor, prob_sum: torch.Tensor, tokens: int) -> torch.Tensor:
         """``E * sum_i f_i P_i`` over the global batch. With f global (a count, no gradient) the loss
         is linear in P, and P is the mean of the shards' ``P_local``: so the gradient flows through
-        this process's ``P_local`` (its own tokens), which, averaged over the data-parallel ranks as
-        gradients are, is the gradient of the global loss; the value is the global one (the detached
+        this process's ``P_local`` (its own tokens), which, weighted by the rank's share of the global
+        tokens and summed over the data-parallel ranks as gradients are, is the gradient of the global loss; the value is the global one (the detached
         correction), so every rank reports what one process computes."""
         f = (total.sum(dim=0).double() / (self.top_k * tokens)).to(probs.dtype)
         p_local = probs.mean(dim=0)

@@ -124,11 +124,20 @@ def _micro_shape(model: GPT, dims: ParallelDims, par: Parallelism, rows: int) ->
 
 
 def _data_parallel(placed: Placed, par: Parallelism, device: torch.device, ddp_hook: object) -> None:
+    """Data parallelism over the token ranks. FSDP2 sums the gradients: each rank's loss is divided by
+    the global token count (:attr:`Placed.loss_weight`, torchtitan's normalisation), so the sum is the
+    global batch's gradient, experts' included (their FSDP mesh is smaller than the ranks whose tokens
+    reached them), with no division left to do where a gradient arises. DDP and the hand-written
+    versions average each rank's mean loss: a gradient already reduced by an earlier micro-batch's
+    synchronisation is the same on every rank, which a mean leaves as it is and a sum would multiply."""
     dims = placed.dims
-    if dims.degrees.tokens == 1 or par.dp_impl == "none":  # alone, or the optimizer synchronises
+    if dims.degrees.tokens == 1 or par.dp_impl == "none":  # alone, or the optimizer averages (ZeRO-1, DeepSpeed)
         return
     if par.dp_impl == "fsdp":
-        from labkit.parallel.fsdp import apply_fsdp
+        # Every token rank holds as many tokens (whole rows of block_size, none padded or ignored), so
+        # its share of the global count is 1/tokens, known without counting them.
+        placed.loss_weight = 1 / dims.degrees.tokens
+        from labkit.parallel.fsdp import apply_fsdp, sum_gradients
 
         expert_mesh = dims.expert_mesh()
         # Under a pipeline FSDP2 keeps each stage's weights gathered from its first forward to the step's
@@ -140,14 +149,7 @@ def _data_parallel(placed: Placed, par: Parallelism, device: torch.device, ddp_h
         # in the tied sum, dualpipev trained wrong.
         placed.fsdp_roots = apply_fsdp(placed.parts, dims.dp_mesh(), par.reshard_after_forward and not par.pipelined,
                                        par.cpu_offload, par.fsdp_bf16, expert_mesh, device)
-        # An expert's gradient holds the contributions of every token rank of its EP group; FSDP averaged
-        # it over the ranks holding that expert (or left it alone): what is left is a division by ep.
-        held_by = expert_mesh.size() if expert_mesh is not None else 1
-        if dims.degrees.ep > 1:
-            from labkit.parallel.experts.placement import divide_expert_grads
-
-            placed.finishers.append(lambda: divide_expert_grads(placed.params, placed.experts,
-                                                                dims.degrees.tokens // held_by))
+        sum_gradients(placed.parts)
         return
     from labkit.parallel import data_parallel as dp
 

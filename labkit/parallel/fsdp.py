@@ -30,9 +30,10 @@ def apply_fsdp(parts: list[nn.Module], mesh, reshard_after_forward: bool = True,
     part's root (embeddings, final norm, head), in place, over ``mesh`` (1-D: FSDP; 2-D: HSDP).
 
     Experts of MoE blocks are sharded on ``expert_mesh`` instead (the ranks holding the same experts),
-    their gradients averaged over it; without an ``expert_mesh`` they are left out of FSDP. Either way
-    every token rank's loss reached them through the all-to-all, not only their mesh's ranks: the
-    caller divides their gradients by what is missing (:meth:`labkit.parallel.placed.Placed.finish_gradients`)."""
+    their gradients reduced over it; without an ``expert_mesh`` they are left out of FSDP. Either way
+    every token rank's loss reached them through the all-to-all, not only their mesh's ranks, so the
+    training loop sums gradients (:func:`sum_gradients`) of a loss already divided by the global
+    token count, and nothing is missing from theirs."""
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         MixedPrecisionPolicy,
@@ -84,3 +85,17 @@ def hsdp_formula(psi_bytes: int, world: int, replicas: int) -> dict[str, dict[st
     return {"shard": {"payload": 3 * psi_bytes, "sent": 3 * psi_bytes * (s - 1) / s},
             "replicate": {"payload": psi_bytes / s, "sent": 2 * (replicas - 1) / replicas * psi_bytes / s},
             "fsdp": {"payload": 3 * psi_bytes, "sent": 3 * psi_bytes * (world - 1) / world}}
+
+
+def sum_gradients(parts: list[nn.Module]) -> None:
+    """Every FSDP2 module of ``parts`` reduces gradients as a sum, not a mean: the loss each rank
+    differentiates is already its tokens' share of the global batch's (divided by the global token
+    count), as torchtitan's ``disable_fsdp_gradient_division`` arranges. Sum-only collectives (no
+    NCCL ``PreMulSum``, no division after) are also the ones gloo has."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in parts:
+        for m in part.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)

@@ -31,6 +31,10 @@ class Placed:
     scratch_tp: bool = False  # hand-written TP shards (plain tensors, ``tp_shard_dim``)
     pipeline: Any = None  # a labkit.parallel.pipeline.runner.Pipeline when the layers are staged
     fsdp_roots: list[nn.Module] = field(default_factory=list)
+    # This rank's tokens' share of the global batch's tokens, which its loss is multiplied by before
+    # backward when its data parallelism sums gradients (FSDP2, labkit.parallel.compose); 1: it
+    # averages (DDP, the hand-written versions, ZeRO-1 by hand, DeepSpeed), or the rank is alone
+    loss_weight: float = 1.0
     # What a technique must do to the gradients between the last backward and clipping, registered by
     # the placement that makes it necessary, in placement order (labkit.parallel.compose.place)
     finishers: list[Callable[[], None]] = field(default_factory=list)
@@ -58,7 +62,7 @@ class Placed:
     def finish_gradients(self) -> None:
         """Between the last backward and clipping: what each technique registered (:attr:`finishers`):
         sequence-parallel gradients still ``Partial`` reduced, a hand-written data parallel's
-        synchronisation, experts' gradients divided, the two copies of a tied matrix summed."""
+        synchronisation, the two copies of a tied matrix summed."""
         for finish in self.finishers:
             finish()
 

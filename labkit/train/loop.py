@@ -60,7 +60,10 @@ def make_setup(cfg: TrainConfig, model_cfg: GPTConfig) -> Setup:
 
 
 def train_step(setup: Setup, x: torch.Tensor, y: torch.Tensor, probe: Probe) -> torch.Tensor:
-    """One optimizer step on this rank's rows of the global batch; returns this rank's mean loss."""
+    """One optimizer step on this rank's rows of the global batch; returns this rank's share of the
+    global batch's loss, the loss it differentiated: under FSDP2 its tokens' loss over the global token
+    count (torchtitan's normalisation), whose gradients FSDP2 then sums; where data parallelism
+    averages, its own mean loss (:attr:`labkit.parallel.placed.Placed.loss_weight`, :func:`global_loss`)."""
     cfg, placed, scaler, device = setup.cfg, setup.placed, setup.scaler, setup.device
     dtype = AUTOCAST.get(cfg.precision)
     autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
@@ -68,14 +71,17 @@ def train_step(setup: Setup, x: torch.Tensor, y: torch.Tensor, probe: Probe) -> 
     if placed.pipeline is not None:  # the schedule runs every microbatch's forward and backward
         with autocast:
             loss = placed.pipeline.forward_backward(
-                x, y, float(scaler.scale(torch.ones((), device=device))) if scaler else None)
+                x, y, float(scaler.scale(torch.ones((), device=device))) if scaler else None, placed.loss_weight)
     else:
         loss = torch.zeros((), device=device)
         micros = list(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum)))
+        # the micro-batch's mean loss over the global token count: this rank's micro-batches, times the
+        # token ranks (one division, as exact as the mean over micro-batches it replaces)
+        over = len(micros) / placed.loss_weight
         for i, (xm, ym) in enumerate(micros):
             with placed.sync(i == len(micros) - 1 or setup.par.sync_each_microbatch):
                 with autocast:
-                    micro = placed.model(xm, ym)[1] / len(micros)  # the step's loss: the micro-batches' mean
+                    micro = placed.model(xm, ym)[1] / over
                 (scaler.scale(micro) if scaler else micro).backward()
             loss += micro.detach()
     probe.mark()
@@ -96,17 +102,21 @@ def train_step(setup: Setup, x: torch.Tensor, y: torch.Tensor, probe: Probe) -> 
     return loss
 
 
-def global_loss(setup: Setup, local: torch.Tensor) -> torch.Tensor:
-    """The global batch's mean loss: every token rank holds as many tokens, so the mean of their losses;
-    a pipeline's last stage has it, and sends it to the others."""
-    dims, loss = setup.dims, local.clone()
+def global_loss(setup: Setup, share: torch.Tensor) -> tuple[float, float]:
+    """(this rank's mean loss, the global batch's) from the rank's share of the global loss
+    (:func:`train_step`): the shares' sum over the token ranks, or, where gradients are averaged
+    (weight 1: DDP and the hand-written data parallels, ZeRO-1 by hand, DeepSpeed), the mean of their
+    losses; a pipeline's last stage has it, and sends it to the others."""
+    dims, weight, loss = setup.dims, setup.placed.loss_weight, share.clone()
     if dims.tokens_group is not None:
         dist.all_reduce(loss, group=dims.tokens_group)
-        loss /= dims.degrees.tokens
+        if weight == 1.0:
+            loss /= dims.degrees.tokens
     if dims.degrees.pp > 1:  # the last stage's rank: the last, or in a V-shaped schedule the first
         last = 0 if setup.par.pp_schedule in V_SHAPED else dims.degrees.pp - 1
         dist.broadcast(loss, src=dims.pp_peer(last), group=dims.group("pp"))
-    return loss
+    mine, global_ = torch.stack([share / weight if weight != 1.0 else share, loss]).tolist()  # one sync
+    return mine, global_
 
 
 def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | None = None) -> TrainResult:
@@ -158,7 +168,7 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig | None = None, corpus: str | No
                         time.sleep(cfg.input_delay_ms / 1e3)
                     local = step_fn(x, y, probe)
                 profiler.after(step)
-                mine, global_ = torch.stack([local, global_loss(setup, local)]).tolist()  # one sync
+                mine, global_ = global_loss(setup, local)
                 probe.after_update(mine)  # model states before the gradients are freed
                 setup.zero_grad()
                 losses.append(global_)

@@ -14,15 +14,13 @@ all-to-all of E counts); all-to-all the kept rows to the ranks of their experts 
 local experts; all-to-all the outputs back (combine). Backward: the two all-to-alls run in reverse
 (:class:`AllToAll`, whose backward is the all-to-all with the split sizes swapped).
 
-Gradients. Each rank's loss is the mean over its own tokens; one process's loss is their mean over
-the data ranks, so every gradient must become (sum of all ranks' contributions) / ranks. A
-non-expert parameter's gradient on a rank holds that rank's contribution, and FSDP2's reduce-scatter
-averages it over the sharding ranks. An expert's gradient already sums the contributions of every rank
-of its EP group (their tokens' gradients came back to it through the all-to-all), so FSDP2 averages
-it over the ranks that hold the same experts only, and what is left is a division by the token
-ranks that average did not count (:mod:`labkit.parallel.compose`,
-:meth:`labkit.parallel.placed.Placed.finish_gradients`). The auxiliary loss needs nothing more (see
-``MoEMLP._aux``).
+Gradients. Each rank's loss is its tokens' loss divided by the global batch's token count
+(torchtitan's normalisation, :mod:`labkit.parallel.compose`), and every reduction sums. A non-expert
+parameter's gradient on a rank holds that rank's contribution, summed over the sharding ranks by
+FSDP2's reduce-scatter. An expert's gradient already holds the contributions of every rank of its EP
+group (their tokens' gradients came back to it through the all-to-all), and FSDP2 sums it over the
+ranks that hold the same experts: every token rank counted once, nothing left to divide. The
+auxiliary loss needs nothing more (see ``MoEMLP._aux``).
 """
 from __future__ import annotations
 
@@ -178,11 +176,3 @@ def expected_all_to_all_bytes(tokens: int, top_k: int, hidden: int, bytes_per_el
     (:func:`labkit.comm.all_to_all.all_to_all_split`, the planner's formula)."""
     inside, leaving = all_to_all_split(ep, per_node or ep, 4 * top_k * tokens * hidden * bytes_per_element)
     return leaving if per_node else inside + leaving
-
-
-def divide_expert_grads(params: Sequence[nn.Parameter], experts: set[int], n: int) -> None:
-    """Each expert's gradient divided by ``n``: it summed the contributions of every token rank of its
-    EP group, and FSDP averaged it only over the ranks holding that expert (module docstring)."""
-    for p in params:
-        if id(p) in experts and p.grad is not None:
-            p.grad.div_(n)

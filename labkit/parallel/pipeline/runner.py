@@ -55,10 +55,13 @@ class Pipeline:
         loss = pipe.lm_loss(logits, targets)
         return loss * self.loss_scale if self.scaled else loss
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_scale: float | None = None) -> torch.Tensor:
-        """Every microbatch's forward and backward; the mean loss of this rank's rows on the last stage
-        (zero elsewhere). ``loss_scale``: fp16's, multiplied into each microbatch's loss."""
-        self.scaled, self.loss_scale = loss_scale is not None, loss_scale or 1.0
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_scale: float | None = None,
+                         weight: float = 1.0) -> torch.Tensor:
+        """Every microbatch's forward and backward; on the last stage the mean loss of this rank's rows
+        times ``weight`` (their share of the global batch's tokens, which each microbatch's loss is
+        multiplied by), zero elsewhere. ``loss_scale``: fp16's, multiplied in too."""
+        fp16 = loss_scale or 1.0
+        self.scaled, self.loss_scale = loss_scale is not None or weight != 1.0, fp16 * weight
         losses: list[torch.Tensor] = []
         with self.meter:
             if self.impl == "scratch":
@@ -66,13 +69,16 @@ class Pipeline:
                 losses = pipe.scratch_step(self.stages[0], self.schedule_name, self.pp, list(x.split(mb)),
                                            list(y.split(mb)), self.timeline, self.micro_shape[0:1] + self.micro_shape[2:4],
                                            self.act_dtype, group=self.group, loss_scale=self.loss_scale)
-                return torch.stack(losses).mean() if self.last is not None else torch.zeros((), device=self.device)
+                if self.last is None:
+                    return torch.zeros((), device=self.device)
+                mean = torch.stack(losses).mean()
+                return mean * weight if weight != 1.0 else mean
             kwargs = {"target": y, "losses": losses} if self.last is not None else {}
             kwargs["return_outputs"] = False  # else the last stage keeps every microbatch's logits
             self.schedule.step(*((x,) if self.first is not None else ()), **kwargs)
         if self.last is None:
             return torch.zeros((), device=self.device)
-        return torch.stack(losses).mean() / self.loss_scale
+        return torch.stack(losses).mean() / fp16  # the losses carry the weight
 
 
 def sum_tied_copies(tied: nn.Parameter, pipeline: Pipeline, ends_group) -> None:
