@@ -196,7 +196,7 @@ def test_one_parallelism_config_carries_every_option_a_preset_takes():
     from labkit.parallel import compose
     from labkit.parallel.layout.parallelism import Parallelism
     from labkit.train.config import TrainConfig
-    from labkit.train.strategies import OPTIONS
+    from labkit.train.strategies import OPTIONS, expand, strategy
 
     assert not hasattr(compose, "Options")
     assert inspect.signature(compose.place).parameters["par"].annotation in (Parallelism, "Parallelism")
@@ -208,10 +208,10 @@ def test_one_parallelism_config_carries_every_option_a_preset_takes():
     assert set(OPTIONS) - elsewhere <= own, set(OPTIONS) - elsewhere - own
     changed = dict(tp=2, pp=2, microbatches=8, pp_schedule="interleaved", sequence_parallel=True,
                    reshard_after_forward=False, fsdp_bf16=True, sync_each_microbatch=True, pp_stages_per_rank=2)
-    par = TrainConfig(strategy="mesh", **changed).parallelism
+    par = expand(strategy("mesh"), TrainConfig(strategy="mesh", **changed))
     assert par == Parallelism(pp=2, dp_shard=-1, tp=2, pp_schedule="interleaved", pp_split=par.pp_split, microbatches=8,
                               sequence_parallel=True, reshard_after_forward=False, fsdp_bf16=True,
                               sync_each_microbatch=True)
     assert par.pp_split.v == 2 and par.resolve(8).degrees.label() == "pp=2 dp_shard=2 tp=2"
-    ddp = TrainConfig(strategy="ddp", bucket_cap_mb=5.0, device="cpu").parallelism
+    ddp = expand(strategy("ddp"), TrainConfig(strategy="ddp", bucket_cap_mb=5.0, device="cpu"))
     assert (ddp.dp_replicate, ddp.dp_shard, ddp.dp_impl, ddp.bucket_cap_mb) == (-1, 1, "ddp", 5.0)

@@ -22,10 +22,9 @@ from labkit.core.checks import (
 from labkit.core.devices import DEVICE_TYPES, check_device
 from labkit.fault_tolerance.preemption import check_grace
 from labkit.parallel.activation_checkpointing import parse_policy
-from labkit.parallel.layout.parallelism import Parallelism
 from labkit.parallel.pipeline.stages import PP_SCHEDULES
 from labkit.train.lr_schedule import LR_SCHEDULES
-from labkit.train.strategies import OPTIONS, Strategy, expand, strategy, takes
+from labkit.train.strategies import OPTIONS, Strategy, strategy, takes
 
 # How the loop computes (Micikevicius et al. 2018): fp32 throughout; bf16 or fp16 autocast with fp32
 # weights and optimizer states (fp16 with dynamic loss scaling, torch's GradScaler).
@@ -162,12 +161,6 @@ class TrainConfig:
 
         return Split(self.pp_schedule, self.pp_stages_per_rank, self.pp_first_stage_less_layers,
                      self.pp_last_stage_less_layers)
-
-    @property
-    def parallelism(self) -> Parallelism:
-        """The run's one parallelism config, its degrees as given (-1 unresolved): what the strategy
-        preset names, with these degrees and options (:func:`labkit.train.strategies.expand`)."""
-        return expand(strategy(self.strategy), self)
 
     def __post_init__(self) -> None:
         for name in ("checkpoint_dir", "step_log", "profile_dir", "memory_snapshot"):

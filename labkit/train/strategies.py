@@ -147,9 +147,9 @@ def layout(spec: Strategy) -> str:
 
 def expand(spec: Strategy, cfg: Any) -> Parallelism:
     """The one :class:`~labkit.parallel.layout.parallelism.Parallelism` that preset ``spec`` names with
-    the degrees and options ``cfg`` (a :class:`~labkit.train.config.TrainConfig`) gives: its own degree
-    -1 unless given, the dimension it leaves the ranks to (``rest``) -1 unless another is; a one-line
-    ValueError for two -1s."""
+    the degrees and options ``cfg`` (a :class:`~labkit.train.config.TrainConfig`; not imported: the
+    config imports these records) gives: its own degree -1 unless given, the dimension it leaves the
+    ranks to (``rest``) -1 unless another is; a one-line ValueError for two -1s."""
     given: dict[str, int] = {}
     for dim, name in spec.degrees:
         value = getattr(cfg, name) or (spec.unset if dim != spec.rest else 0)  # 0: not given

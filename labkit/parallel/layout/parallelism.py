@@ -60,7 +60,7 @@ class Parallelism:
     @property
     def asked(self) -> Degrees:
         """The degrees known before the world size, for the checks on the model alone: the ones given
-        as numbers (dp_shard only as the least that holds ep); a pipeline preset's -1 is the world."""
+        as numbers (dp_shard only as the least that holds ep)."""
         given = {d: getattr(self, d) for d in DIMS if getattr(self, d) > 0 and d != "dp_shard"}
         if "ep" in given:
             given["dp_shard"] = given["ep"]
